@@ -1,0 +1,236 @@
+"""The asyncio client: ``Client`` and its per-request ``Stream``.
+
+Lifecycle of a client: NEW → (start) → RUNNING → (aclose) → CLOSED. Model loading and calibration
+run on a worker thread, never on the event loop. A stream submits its request on first use and
+always cleans up: ``aclose()``, leaving ``async with``, breaking out of ``async for`` (the stream is
+dropped and its finalizer cancels it), or cancelling the consuming task all stop decoding of that
+request before its next engine step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from .engine import Engine, Sequence, StepOutput
+from .errors import ClientClosedError, ContextLengthError, InvalidRequestError, UnsupportedFeatureError
+from .metrics import MetricsAggregator
+from .model import LoadedModel, load_model
+from .params import parse_params
+from .runtime import Channel, RequestHandle, Runtime
+from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, Usage
+
+__all__ = ["Client", "Stream"]
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class Stream:
+    """Verified events of one request: an async iterator and an async context manager."""
+
+    def __init__(self, runtime: Runtime, seq: Sequence) -> None:
+        self._runtime = runtime
+        self._seq = seq
+        self._handle: RequestHandle | None = None
+        self._events: deque[Any] = deque()
+        self._state = _State.NEW
+
+    def _submit(self) -> RequestHandle:
+        import asyncio
+
+        channel = Channel(asyncio.get_running_loop())
+        self._seq.submitted_at = time.perf_counter()
+        handle = RequestHandle(self._seq, channel, self._runtime)
+        self._runtime.submit(handle)
+        self._handle = handle
+        self._state = _State.RUNNING
+        weakref.finalize(self, handle.cancel)  # a stream dropped without aclose() frees the engine
+        return handle
+
+    async def __aenter__(self) -> "Stream":
+        if self._state is _State.NEW:
+            self._submit()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> TextDelta | ToolCall | Done:
+        if self._state is _State.NEW:
+            self._submit()
+        while not self._events:
+            if self._state is _State.CLOSED:
+                raise StopAsyncIteration
+            assert self._handle is not None
+            try:
+                item = await self._handle.channel.receive()
+            except BaseException:  # cancelled consumer: stop decoding, then propagate
+                await self.aclose()
+                raise
+            if isinstance(item, BaseException):
+                self._state = _State.CLOSED
+                raise item
+            self._events.extend(self._to_events(item))
+        return self._events.popleft()
+
+    def _to_events(self, output: StepOutput) -> list[TextDelta | Done]:
+        events: list[TextDelta | Done] = []
+        if output.text or output.token_ids:
+            events.append(TextDelta(text=output.text, token_ids=output.token_ids))
+        if output.finish_reason is not None:
+            seq = self._seq  # the worker has released it: reading is safe
+            prompt, completion = len(seq.prompt_ids), seq.generated
+            usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            events.append(Done(finish_reason=output.finish_reason, usage=usage, stats=seq.stats.model_copy(deep=True)))
+            self._state = _State.CLOSED
+        return events
+
+    async def aclose(self) -> None:
+        """Stop decoding this request (idempotent). Events not yet read are dropped."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._state = _State.CLOSED
+        self._events.clear()
+
+
+def _check_draft(draft: Any) -> None:
+    if draft is not None:
+        raise UnsupportedFeatureError(
+            f"draft={draft!r}: draft models and early-exit self-speculation are not in this build yet; "
+            "use draft=None (n-gram drafting is always on)."
+        )
+
+
+class Client:
+    """An embedded model with lossless speculative decoding.
+
+    >>> async with agentspec.Client() as client:                      # doctest: +SKIP
+    ...     async for ev in client.stream([{"role": "user", "content": "Hi"}], max_tokens=32):
+    ...         print(ev)
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        draft: Any = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        spec: SpecConfig = SpecConfig(),
+    ) -> None:
+        _check_draft(draft)
+        if not isinstance(spec, SpecConfig):
+            raise InvalidRequestError(f"`spec` must be an agentspec.SpecConfig, got {type(spec).__name__}.")
+        self.model_ref = model
+        self.device = device
+        self.dtype = dtype
+        self.spec = spec
+        self._state = _State.NEW
+        self._loaded: LoadedModel | None = None
+        self._runtime: Runtime | None = None
+        self._metrics = MetricsAggregator()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> "Client":
+        """Load the model (off the event loop), measure verification costs, start the worker."""
+        if self._state is _State.CLOSED:
+            raise ClientClosedError("This client is closed; create a new agentspec.Client.")
+        if self._state is _State.RUNNING:
+            return self
+        loaded = await anyio.to_thread.run_sync(lambda: load_model(self.model_ref, device=self.device, dtype=self.dtype))
+        engine = Engine(loaded, max_draft_tokens=max(8, self.spec.max_draft_tokens))
+        await anyio.to_thread.run_sync(engine.calibrate)
+        runtime = Runtime(engine, on_finished=lambda seq: self._metrics.add(seq.stats))
+        runtime.start()
+        self._loaded, self._runtime, self._state = loaded, runtime, _State.RUNNING
+        return self
+
+    async def aclose(self) -> None:
+        """Cancel running streams (they end with finish_reason 'cancelled') and stop. Idempotent."""
+        runtime, self._runtime, self._state = self._runtime, None, _State.CLOSED
+        if runtime is not None:
+            await anyio.to_thread.run_sync(runtime.stop, abandon_on_cancel=True)
+
+    async def __aenter__(self) -> "Client":
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    @property
+    def loaded(self) -> LoadedModel:
+        self._require_running()
+        assert self._loaded is not None
+        return self._loaded
+
+    def _require_running(self) -> Runtime:
+        if self._state is _State.NEW:
+            raise ClientClosedError("The client is not started; use `async with agentspec.Client() as client` or `await client.start()`.")
+        if self._state is _State.CLOSED or self._runtime is None:
+            raise ClientClosedError("This client is closed; create a new agentspec.Client.")
+        return self._runtime
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def stream(self, messages: Any, **params: Any) -> Stream:
+        """Validate the request now (raising ``InvalidRequestError``) and return its event stream."""
+        runtime = self._require_running()
+        generation = parse_params(params, default_spec=self.spec)
+        loaded = self.loaded
+        prompt_ids = loaded.chat.encode(messages)
+        room = loaded.context_window - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthError(
+                f"The prompt is {len(prompt_ids)} tokens but the model's context window is {loaded.context_window}; "
+                "shorten the messages (drop old turns or trim documents)."
+            )
+        max_new = min(generation.max_tokens or room, room)
+        return Stream(runtime, Sequence(prompt_ids, generation, max_new_tokens=max_new))
+
+    async def generate(self, messages: Any, **params: Any) -> Completion:
+        """Run a request to completion and collect its events."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        tool_calls: list[ToolCall] = []
+        async with self.stream(messages, **params) as stream:
+            async for event in stream:
+                if isinstance(event, TextDelta):
+                    text.append(event.text)
+                    token_ids.extend(event.token_ids)
+                elif isinstance(event, ToolCall):
+                    tool_calls.append(event)
+                elif isinstance(event, Done):
+                    return Completion(
+                        text="".join(text),
+                        tool_calls=tool_calls,
+                        token_ids=token_ids,
+                        finish_reason=event.finish_reason,
+                        usage=event.usage,
+                        stats=event.stats,
+                    )
+        raise ClientClosedError("The stream ended without finishing; was the client closed?")
+
+    # -- observability -----------------------------------------------------------------------------
+
+    def metrics(self) -> SpecStats:
+        """Speculation statistics summed over every finished request of this client."""
+        return self._metrics.snapshot()
+
+    def metrics_text(self) -> str:
+        """``metrics()`` in Prometheus text exposition format."""
+        return self._metrics.prometheus_text()

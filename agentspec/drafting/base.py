@@ -1,0 +1,45 @@
+"""The drafter contract: every draft source implements these three methods, nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+__all__ = ["Draft", "Drafter", "NO_DRAFT"]
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """Proposed continuation of the committed tokens.
+
+    tokens: up to K proposed token ids; source: "grammar" | "ngram" | "model";
+    probs: [len(tokens), V] the drafter's distributions, None for deterministic (one-hot) drafts;
+    evidence: how strong the proposal is on the drafter's own scale (n-gram: the matched length).
+      The engine keeps acceptance statistics per (source, evidence) to decide how much to verify.
+    """
+
+    tokens: list[int]
+    source: str
+    probs: torch.Tensor | None = None
+    evidence: int = 0
+
+
+NO_DRAFT = Draft(tokens=[], source="none")
+
+
+class Drafter(Protocol):
+    """One instance per request. The engine calls, in order:
+    ``reset(prompt)``, then per step ``propose(k)`` followed by ``observe(committed)``.
+    A drafter that raises costs its request one plain step and nothing else.
+    """
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start over from the prompt's token ids."""
+
+    def propose(self, k: int) -> Draft:
+        """Up to ``k`` tokens that may follow everything observed so far."""
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Tokens committed since the last call (verified; never rolled back)."""

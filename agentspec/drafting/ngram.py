@@ -1,0 +1,88 @@
+"""N-gram drafting: continue the longest suffix of the text that already occurred in it.
+
+Agents copy: a document answer quotes its source, a code edit repeats most of the code, a tool
+call repeats ids from the conversation. Matching the last few tokens against everything earlier in
+the prompt and the output finds those continuations for free (no model runs).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import Draft
+
+__all__ = ["propose_ngram", "NgramIndex", "NgramDrafter"]
+
+
+def propose_ngram(tokens: Sequence[int], k: int, *, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
+    """Reference algorithm. Returns (draft, matched n).
+
+    For n from ``max_n`` down to ``min_n``: find the most recent earlier occurrence of the last n
+    tokens and propose the (up to) k tokens that followed it. Example, k=3::
+
+        tokens = [5, 6, 7, 8, 9, 5, 6]
+        suffix [5, 6] occurred at 0..1, followed by [7, 8, 9]  ->  ([7, 8, 9], 2)
+
+    No match (or k == 0) gives ([], 0).
+    """
+    length = len(tokens)
+    if k <= 0:
+        return [], 0
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(tokens[length - n :])
+        for start in range(length - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : start + n + k]), n
+    return [], 0
+
+
+class NgramIndex:
+    """Incremental ``propose_ngram``: O(max_n) per appended token and per proposal.
+
+    For each n it maps an n-gram to the position right after its most recent occurrence that ends
+    before the last token, i.e. strictly earlier than the current suffix.
+    """
+
+    def __init__(self, *, min_n: int = 1, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # n-grams ending just before the newest token
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n >= 0:
+                    self._after[n][tuple(self.tokens[end - n : end])] = end
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        if k <= 0:
+            return [], 0
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self._after[n].get(tuple(self.tokens[length - n :]))
+            if start is not None:
+                return self.tokens[start : start + k], n
+        return [], 0
+
+
+class NgramDrafter:
+    """The prompt-and-output n-gram drafter (``source="ngram"``)."""
+
+    source = "ngram"
+
+    def __init__(self, *, min_n: int = 1, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.index = NgramIndex(min_n=min_n, max_n=max_n)
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.index = NgramIndex(min_n=self.min_n, max_n=self.max_n)
+        self.index.extend(prompt)
+
+    def propose(self, k: int) -> Draft:
+        tokens, n = self.index.propose(k)
+        return Draft(tokens=tokens, source=self.source, evidence=n)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        self.index.extend(committed)

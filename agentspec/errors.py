@@ -1,0 +1,59 @@
+"""The agentspec exception tree.
+
+Every error agentspec raises derives from :class:`AgentSpecError`, and every message says how to fix
+its cause::
+
+    AgentSpecError
+    ├── InvalidRequestError (also ValueError)   bad request input, raised before any work starts
+    │   ├── ContextLengthError                  the prompt does not fit the model's context window
+    │   └── UnsupportedFeatureError             a valid OpenAI-shaped option this build cannot serve yet
+    ├── ModelLoadError                          the model or a package it needs is missing or unsafe
+    ├── ClientClosedError                       the client is not started, or already closed
+    ├── EngineOverloadedError                   the request queue is full; retry later
+    └── EngineError                             decoding failed for one request; others are unaffected
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentSpecError",
+    "InvalidRequestError",
+    "ContextLengthError",
+    "UnsupportedFeatureError",
+    "ModelLoadError",
+    "ClientClosedError",
+    "EngineOverloadedError",
+    "EngineError",
+]
+
+
+class AgentSpecError(Exception):
+    """Root of every error raised by agentspec."""
+
+
+class InvalidRequestError(AgentSpecError, ValueError):
+    """The request is malformed; nothing was run. The message names the parameter and the fix."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt leaves no room to generate within the model's context window."""
+
+
+class UnsupportedFeatureError(InvalidRequestError):
+    """A well-formed option that this build of agentspec does not serve yet."""
+
+
+class ModelLoadError(AgentSpecError):
+    """The model could not be found or loaded; the message says what to install or pass instead."""
+
+
+class ClientClosedError(AgentSpecError):
+    """The client is not running: start it with ``async with Client()`` or ``await client.start()``."""
+
+
+class EngineOverloadedError(AgentSpecError):
+    """The engine's request queue is full; retry after some requests finish."""
+
+
+class EngineError(AgentSpecError):
+    """Decoding failed for one request (the cause is chained). Other requests keep running."""

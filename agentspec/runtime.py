@@ -1,0 +1,201 @@
+"""The worker thread that owns an engine, and the hand-off between it and the event loop.
+
+Threading contract (anyio's ``to_thread`` semantics, made explicit):
+- The event loop never runs torch. It submits ``RequestHandle``s and reads each request's
+  ``Channel``; cancelling is setting a flag, which the worker honours before the sequence's next step.
+- The worker never touches asyncio objects directly: it hands results over with
+  ``loop.call_soon_threadsafe``. If that loop is gone, the request is cancelled.
+- Back-pressure: a request whose consumer has ``max_pending`` undelivered outputs is not stepped
+  (its KV cache just waits). If it stays stalled for ``abandon_after_s`` the stream is treated as
+  abandoned and freed. Streams dropped without ``aclose`` are caught earlier by a finalizer.
+- Fairness: active sequences are stepped round-robin, one step each per cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from .engine import Engine, Sequence, StepOutput
+from .errors import ClientClosedError, EngineError, EngineOverloadedError
+
+__all__ = ["Runtime", "RequestHandle", "Channel"]
+
+log = logging.getLogger("agentspec.runtime")
+
+
+class Channel:
+    """One request's outputs, worker → event loop. Each counter has a single writer thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.produced = 0  # written by the worker only
+        self.consumed = 0  # written by the event loop only
+
+    @property
+    def pending(self) -> int:
+        return self.produced - self.consumed
+
+    def send(self, item: Any) -> bool:
+        """Worker side. False when the event loop is closed (nobody will ever read this)."""
+        self.produced += 1
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+    async def receive(self) -> Any:
+        item = await self.queue.get()
+        self.consumed += 1
+        return item
+
+
+class RequestHandle:
+    """What the event loop and the worker share about one request."""
+
+    def __init__(self, seq: Sequence, channel: Channel, runtime: "Runtime") -> None:
+        self.seq = seq
+        self.channel = channel
+        self._runtime = runtime
+        self.cancelled = threading.Event()
+        self.stalled_since: float | None = None  # worker only
+
+    def cancel(self) -> None:
+        """Stop decoding this request before its next step. Safe from any thread, idempotent."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            self._runtime.wake()
+
+
+class Runtime:
+    """Runs ``Engine.step`` for every active request on one worker thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_finished: Callable[[Sequence], None] = lambda seq: None,
+        max_pending: int = 64,
+        abandon_after_s: float = 60.0,
+        max_queued: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self.on_finished = on_finished
+        self.max_pending = max_pending
+        self.abandon_after_s = abandon_after_s
+        self.max_queued = max_queued
+        self._cond = threading.Condition()
+        self._incoming: list[RequestHandle] = []
+        self._active: list[RequestHandle] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="agentspec-engine", daemon=True)
+
+    # -- event loop side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ClientClosedError("The client is closed; create a new agentspec.Client to send requests.")
+            if len(self._incoming) + len(self._active) >= self.max_queued:
+                raise EngineOverloadedError(
+                    f"{self.max_queued} requests are already queued or running; retry when some finish."
+                )
+            self._incoming.append(handle)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel every request (each gets finish_reason 'cancelled') and join the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> int:
+        return len(self._active) + len(self._incoming)
+
+    # -- worker side -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                admitted, self._incoming = self._incoming, []
+                stopping = self._stopping
+                if not stopping and not admitted and not self._active:
+                    self._cond.wait()
+                    continue
+            for handle in admitted:
+                self.engine.start(handle.seq)
+                self._active.append(handle)
+            if stopping:
+                for handle in list(self._active):
+                    self._end(handle, "cancelled")
+                return
+            if not self._cycle():
+                with self._cond:  # every active request is waiting for its consumer
+                    self._cond.wait(timeout=0.005)
+
+    def _cycle(self) -> bool:
+        """One round-robin pass; True if any sequence advanced."""
+        progressed = False
+        now = time.monotonic()
+        for handle in list(self._active):
+            if handle.cancelled.is_set():
+                self._end(handle, "cancelled")
+                continue
+            if handle.channel.pending >= self.max_pending:
+                handle.stalled_since = handle.stalled_since or now
+                if now - handle.stalled_since > self.abandon_after_s:
+                    log.warning("request abandoned: no events read for %.0f s; freeing it", self.abandon_after_s)
+                    self._end(handle, "cancelled")
+                continue
+            handle.stalled_since = None
+            try:
+                output = self.engine.step(handle.seq)
+            except Exception as exc:
+                log.exception("decoding failed for one request")
+                self._fail(handle, exc)
+                continue
+            progressed = True
+            if not handle.channel.send(output):
+                self._end(handle, "cancelled")
+            elif output.finish_reason is not None:
+                self._release(handle)
+        return progressed
+
+    def _end(self, handle: RequestHandle, reason: str) -> None:
+        seq = handle.seq
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+            self.engine.finish_stats(seq)
+        handle.channel.send(StepOutput("", [], seq.finish_reason))
+        self._release(handle)
+
+    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
+        handle.seq.finish_reason = "error"
+        error = EngineError(f"Decoding failed: {type(exc).__name__}: {exc}. Other requests are unaffected; retry this one.")
+        error.__cause__ = exc
+        handle.channel.send(error)
+        self._release(handle)
+
+    def _release(self, handle: RequestHandle) -> None:
+        self.engine.release(handle.seq)
+        if handle in self._active:
+            self._active.remove(handle)
+        try:
+            self.on_finished(handle.seq)
+        except Exception:  # metrics must never break decoding
+            log.exception("on_finished callback failed")

@@ -1,0 +1,122 @@
+"""Tokens → text: the byte table, UTF-8-safe incremental decoding, and stop strings that never leak.
+
+Two guarantees the stream relies on:
+- ``TokenDecoder`` never returns half a character: bytes of a split character wait for the rest.
+- ``StopMatcher`` never releases text that could still turn out to be the start of a stop string,
+  so emitted text is never retracted.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from functools import lru_cache
+from typing import Any, Iterable
+
+__all__ = ["token_bytes_table", "TokenDecoder", "StopMatcher"]
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable stand-in character → byte map of byte-level BPE (GPT-2, Llama 3, SmolLM, Qwen)."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in visible}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(code): b for b, code in chars.items()}
+
+
+def _decoder_kind(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+        if "ByteLevel" in decoder:
+            return "byte_level"
+        if "ByteFallback" in decoder or "▁" in decoder:
+            return "sentencepiece"
+    return "generic"
+
+
+def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
+    """The exact bytes each token id contributes to the text; special tokens contribute none.
+
+    ``vocab_size`` is the model's output size, which may exceed the tokenizer's (padded vocabularies);
+    ids the tokenizer does not know map to ``b""``.
+    """
+    kind = _decoder_kind(tokenizer)
+    alphabet = _byte_level_alphabet()
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    table: list[bytes] = []
+    for token_id, piece in enumerate(pieces):
+        if piece is None or token_id in special:
+            table.append(b"")
+        elif token_id in added:
+            table.append(added[token_id].content.encode())
+        elif kind == "byte_level" and all(c in alphabet for c in piece):
+            table.append(bytes(alphabet[c] for c in piece))
+        elif kind == "sentencepiece" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            table.append(bytes([int(piece[3:5], 16)]))
+        elif kind == "sentencepiece":
+            table.append(piece.replace("▁", " ").encode())
+        else:
+            table.append(tokenizer.convert_tokens_to_string([piece]).encode())
+    table.extend(b"" for _ in range(vocab_size - len(table)))
+    return table
+
+
+class TokenDecoder:
+    """Incremental detokenizer: feed token ids, get back only complete characters."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        return self._utf8.decode(b"".join(self._token_bytes[t] for t in token_ids))
+
+    def flush(self) -> str:
+        """At the end of a response: whatever bytes are left, with U+FFFD for an unfinished character."""
+        return self._utf8.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back any tail that could still become one.
+
+    >>> m = StopMatcher(["\\nUser:"])
+    >>> m.feed("Hello\\nUs")       # "\\nUs" may be the start of "\\nUser:" -> held back
+    ('Hello', False)
+    >>> m.feed("er: hi")          # stop found: text before it is released, decoding stops
+    ('', True)
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = tuple(stops)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was found)."""
+        if not self.stops:
+            return text, False
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        hold = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(buffer)), hold, -1):
+                if buffer.endswith(stop[:n]):
+                    hold = n
+                    break
+        self._held = buffer[len(buffer) - hold :]
+        return buffer[: len(buffer) - hold], False
+
+    def flush(self) -> str:
+        """At the end of a response that did not stop on a string: release what was held back."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,129 @@
+"""Public data types: speculation settings, stream events, usage, statistics and completions.
+
+Events are pydantic models discriminated by ``type``. They are created only from verified tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "SpecConfig",
+    "Usage",
+    "SpecStats",
+    "TextDelta",
+    "ToolCallDelta",
+    "ToolCall",
+    "Done",
+    "Event",
+    "Completion",
+    "FinishReason",
+]
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+
+
+class SpecConfig(BaseModel):
+    """How the engine speculates. ``SpecConfig(enabled=False)`` is plain decoding.
+
+    The defaults suit agent traffic on a small local model: drafts of up to 8 tokens, n-gram matches
+    of 1 to 4 tokens, and a draft length chosen per step from measured acceptance and measured
+    verification cost (``adaptive``). With ``adaptive=False`` every available draft is verified at
+    its full length (up to ``max_draft_tokens``); tests use it to pin K.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    max_draft_tokens: int = Field(8, ge=0, le=32, description="K: most draft tokens verified per step")
+    adaptive: bool = True
+    ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the drafter matches")
+    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram the drafter matches")
+
+
+class Usage(BaseModel):
+    """Token counts. ``completion_tokens`` counts every generated token, a final stop token included."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SpecStats(BaseModel):
+    """Speculation metrics for one request, or summed over many (``Client.metrics()``).
+
+    ``target_forward_passes_saved`` = output tokens − target passes: what speculation bought.
+    ``ttft_ms`` and ``tpot_ms`` are per request; in aggregates they are means over ``requests``.
+    """
+
+    requests: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    accepted_by_source: dict[str, int] = Field(default_factory=dict)
+    output_tokens: int = 0
+    target_forward_passes: int = 0
+    target_forward_passes_saved: int = 0
+    mean_accepted_length: float = 0.0
+    rollbacks: int = 0
+    fallback_steps: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+
+
+class TextDelta(BaseModel):
+    """Verified text. ``text`` never ends inside a UTF-8 character and is never retracted."""
+
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+    token_ids: list[int]
+
+
+class ToolCallDelta(BaseModel):
+    """The next fragment of a tool call's JSON arguments; ``id``/``name`` only in an index's first delta."""
+
+    type: Literal["tool_call_delta"] = "tool_call_delta"
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    """A complete tool call whose arguments parsed and validated against the tool's schema."""
+
+    type: Literal["tool_call"] = "tool_call"
+    index: int
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class Done(BaseModel):
+    """The last event of every stream."""
+
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+    stats: SpecStats
+
+
+Event = Annotated[Union[TextDelta, ToolCallDelta, ToolCall, Done], Field(discriminator="type")]
+
+
+class Completion(BaseModel):
+    """A whole response, as collected by ``Client.generate``."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    text: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    parsed: Any = None
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    stats: SpecStats
