@@ -97,17 +97,22 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, repeats: int = 2) -> None:
-        """Measure the cost of every verification shape once (also warms the kernels up)."""
+    def calibrate(self, context: int = 64, repeats: int = 3) -> None:
+        """Measure every verification shape (also warms the kernels up).
+
+        The fastest of ``repeats`` runs is kept: interference from other processes only adds time.
+        """
         cache = DynamicCache(config=self.model.config)
         self._forward(torch.arange(context, device=self.device).unsqueeze(0) + 100, cache, 1)
         for positions in range(1, self.costs.max_positions + 1):
+            timings = []
             for _ in range(repeats):
                 started = time.perf_counter()
                 self._forward(torch.full((1, positions), 100, device=self.device), cache, positions)
                 self._sync()
                 cache.crop(-positions)
-                self.costs.record(positions, (time.perf_counter() - started) * 1e3)
+                timings.append((time.perf_counter() - started) * 1e3)
+            self.costs.record(positions, min(timings))
 
     def start(self, seq: Sequence) -> None:
         """Register a sequence; its first ``step`` is the prefill."""
@@ -168,9 +173,10 @@ class Engine:
         if len(uncached) == 1:  # decode steps only: a prefill says nothing about verification cost
             self.costs.record(shape, verify_ms)
         if draft_tokens:
+            kept = min(accepted, len(seq.tokens) - committed_before)  # a stop may cut the accepted run
             stats.drafted_tokens += len(draft_tokens)
-            stats.accepted_tokens += accepted
-            stats.accepted_by_source[draft.source] = stats.accepted_by_source.get(draft.source, 0) + accepted
+            stats.accepted_tokens += kept
+            stats.accepted_by_source[draft.source] = stats.accepted_by_source.get(draft.source, 0) + kept
             stats.rollbacks += accepted < len(draft_tokens)
             state.acceptance.observe(draft.source, draft.evidence, len(draft_tokens), accepted)
         elif draft.tokens:  # free evidence: would the draft's first token have been accepted?

@@ -170,10 +170,10 @@ class Runtime:
                 self._fail(handle, exc)
                 continue
             progressed = True
-            if not handle.channel.send(output):
+            if output.finish_reason is not None:
+                self._release(handle)  # first, so metrics include the request once its Done is seen
+            if not handle.channel.send(output) and output.finish_reason is None:
                 self._end(handle, "cancelled")
-            elif output.finish_reason is not None:
-                self._release(handle)
         return progressed
 
     def _end(self, handle: RequestHandle, reason: str) -> None:
@@ -181,15 +181,15 @@ class Runtime:
         if seq.finish_reason is None:
             seq.finish_reason = reason
             self.engine.finish_stats(seq)
-        handle.channel.send(StepOutput("", [], seq.finish_reason))
         self._release(handle)
+        handle.channel.send(StepOutput("", [], seq.finish_reason))
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         handle.seq.finish_reason = "error"
         error = EngineError(f"Decoding failed: {type(exc).__name__}: {exc}. Other requests are unaffected; retry this one.")
         error.__cause__ = exc
-        handle.channel.send(error)
         self._release(handle)
+        handle.channel.send(error)
 
     def _release(self, handle: RequestHandle) -> None:
         self.engine.release(handle.seq)

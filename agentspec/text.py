@@ -103,10 +103,12 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        # (end, start) of each stop's first occurrence: the stop completed first wins, as it would
+        # token by token; among stops completed at once, the one starting earlier
+        hits = [(i + len(s), i) for s in self.stops if (i := buffer.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buffer[: min(hits)], True
+            return buffer[: min(hits)[1]], True
         hold = 0
         for stop in self.stops:
             for n in range(min(len(stop) - 1, len(buffer)), hold, -1):

@@ -1,0 +1,165 @@
+"""``agentspec bench``: agentspec against its peers, in one process, on the same model and prompts.
+
+Systems (all greedy, same stop tokens, same max_tokens):
+- ``hf_plain``          transformers ``generate(do_sample=False)``
+- ``hf_prompt_lookup``  transformers ``generate(prompt_lookup_num_tokens=10)`` (n-gram assisted)
+- ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
+- ``agentspec``         agentspec with speculation
+
+Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain},
+where ``identical_to_plain`` compares token ids with ``hf_plain``. Speed is always a ratio against a
+baseline measured in the same process, never an absolute claim.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .client import Client
+from .workloads import WORKLOADS, Workload
+
+__all__ = ["BenchRow", "SYSTEMS", "run_bench", "format_table", "main"]
+
+SYSTEMS = ("hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec")
+
+
+@dataclass
+class BenchRow:
+    workload: str
+    system: str
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    target_forwards: int
+    identical_to_plain: bool
+
+
+class _ForwardCounter:
+    """Counts target forward passes of a transformers model (for the HF systems)."""
+
+    def __init__(self, model: Any) -> None:
+        self.count = 0
+        self._hook = model.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, *_: Any) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def _hf_generate(client: Client, prompt_ids: list[int], max_tokens: int, **extra: Any) -> tuple[list[int], int]:
+    loaded = client.loaded
+    stop = sorted(loaded.stop_token_ids)
+    counter = _ForwardCounter(loaded.model)
+    try:
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                torch.tensor([prompt_ids], device=loaded.device),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=loaded.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[0],
+                **extra,
+            )
+    finally:
+        counter.close()
+    return output[0, len(prompt_ids) :].tolist(), counter.count
+
+
+async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> tuple[list[int], int, int]:
+    """Returns (output ids without the stop token, tokens generated, target forward passes)."""
+    prompt_ids = client.loaded.chat.encode(work.messages)
+    if system in ("hf_plain", "hf_prompt_lookup"):
+        extra = {"prompt_lookup_num_tokens": 10} if system == "hf_prompt_lookup" else {}
+        ids, forwards = _hf_generate(client, prompt_ids, max_tokens, **extra)
+        stops = client.loaded.stop_token_ids
+        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        return ids[:end], min(end + 1, len(ids)), forwards
+    completion = await client.generate(work.messages, max_tokens=max_tokens, speculative=system == "agentspec")
+    return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes
+
+
+async def run_bench(
+    client: Client,
+    workloads: Iterable[Workload] = WORKLOADS,
+    systems: Iterable[str] = SYSTEMS,
+    *,
+    max_tokens: int | None = None,
+    repeats: int = 1,
+    on_row: Callable[[BenchRow], None] = lambda row: None,
+) -> list[BenchRow]:
+    """Time every system on every workload (median of ``repeats`` after one warm-up run)."""
+    rows: list[BenchRow] = []
+    systems = tuple(systems)
+    for work in workloads:
+        limit = max_tokens or work.max_tokens
+        reference: list[int] | None = None
+        for system in systems:
+            await _run_system(client, system, work, min(limit, 8))  # warm-up
+            timings, ids, tokens, forwards = [], [], 0, 0
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ids, tokens, forwards = await _run_system(client, system, work, limit)
+                timings.append(time.perf_counter() - started)
+            if reference is None:
+                reference = ids  # the first system (hf_plain by default) is the reference output
+            seconds = statistics.median(timings)
+            row = BenchRow(
+                workload=work.name,
+                system=system,
+                tokens=tokens,
+                seconds=round(seconds, 4),
+                tokens_per_s=round(tokens / seconds, 2),
+                target_forwards=forwards,
+                identical_to_plain=ids == reference,
+            )
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    """Rows plus speedups against transformers plain and prompt lookup on the same workload."""
+    baseline = {(r.workload, r.system): r.tokens_per_s for r in rows}
+    header = f"{'workload':<16} {'system':<17} {'tokens':>6} {'tok/s':>7} {'passes':>6} {'×hf':>6} {'×lookup':>8} {'identical':>9}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        plain = baseline.get((r.workload, "hf_plain"))
+        lookup = baseline.get((r.workload, "hf_prompt_lookup"))
+        vs_plain = f"{r.tokens_per_s / plain:.2f}" if plain else "-"
+        vs_lookup = f"{r.tokens_per_s / lookup:.2f}" if lookup else "-"
+        lines.append(
+            f"{r.workload:<16} {r.system:<17} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.target_forwards:>6} "
+            f"{vs_plain:>6} {vs_lookup:>8} {str(r.identical_to_plain):>9}"
+        )
+    return "\n".join(lines)
+
+
+async def main(args: Any) -> int:
+    selected = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
+    systems = args.systems.split(",") if args.systems else SYSTEMS
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    async with Client(args.model, device=args.device) as client:
+        print(f"model {client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}); workloads: "
+              f"{', '.join(w.name for w in selected)}", flush=True)
+        rows = await run_bench(
+            client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
+            on_row=lambda r: print(f"  {r.workload:<16} {r.system:<17} {r.tokens_per_s:7.1f} tok/s", flush=True),
+        )
+    print()
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        print(f"\nrows written to {args.json}")
+    return 0

@@ -1,0 +1,116 @@
+"""The ``agentspec`` command: ``demo``, ``chat`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+from .client import Client
+from .types import Done, SpecStats, TextDelta
+from .workloads import WORKLOADS, workload
+
+__all__ = ["main"]
+
+DEMO_TASKS = ("document_answer", "code_edit")
+
+
+def _stats_line(stats: SpecStats, tokens: int, seconds: float) -> str:
+    return (
+        f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s) · {stats.target_forward_passes} target passes "
+        f"({stats.target_forward_passes_saved} saved) · acceptance {stats.acceptance_rate:.0%} · "
+        f"{stats.mean_accepted_length:.2f} tokens/pass · TTFT {stats.ttft_ms:.0f} ms · TPOT {stats.tpot_ms:.0f} ms"
+    )
+
+
+async def _demo(args: Any) -> int:
+    print("Loading the default model (SmolLM2-135M-Instruct) ...", flush=True)
+    async with Client(args.model, device=args.device) as client:
+        print(f"Ready on {client.loaded.device}. Streaming verified tokens as they arrive.\n")
+        timings: dict[str, tuple[float, int, str]] = {}
+        for name in DEMO_TASKS:
+            work = workload(name)
+            print(f"━━ {name}: {work.description} ━━")
+            print(f"user: {work.messages[-1]['content'].splitlines()[-1]}\nassistant: ", end="", flush=True)
+            started = time.perf_counter()
+            text: list[str] = []
+            async with client.stream(work.messages, max_tokens=work.max_tokens) as stream:
+                async for event in stream:
+                    if isinstance(event, TextDelta):
+                        text.append(event.text)
+                        print(event.text, end="", flush=True)
+                    elif isinstance(event, Done):
+                        seconds = time.perf_counter() - started
+                        timings[name] = (seconds, event.usage.completion_tokens, "".join(text))
+                        print(f"\n\n[{event.finish_reason}] {_stats_line(event.stats, event.usage.completion_tokens, seconds)}\n")
+        print("━━ the same requests with plain decoding (speculative=False), for comparison ━━")
+        for name in DEMO_TASKS:
+            work = workload(name)
+            started = time.perf_counter()
+            plain = await client.generate(work.messages, max_tokens=work.max_tokens, speculative=False)
+            plain_s = time.perf_counter() - started
+            spec_s, tokens, spec_text = timings[name]
+            same = "identical output" if plain.text == spec_text else "DIFFERENT OUTPUT (a bug: please report it)"
+            print(f"{name:<16} plain {tokens / plain_s:5.1f} tok/s → speculative {tokens / spec_s:5.1f} tok/s: "
+                  f"{plain_s / spec_s:.2f}× faster, {same}")
+        total = client.metrics()
+        print(f"\nall requests: acceptance {total.acceptance_rate:.0%}, {total.target_forward_passes_saved} target passes saved")
+    return 0
+
+
+async def _chat(args: Any) -> int:
+    async with Client(args.model, device=args.device) as client:
+        print("agentspec chat — empty line or Ctrl-D to quit.")
+        history: list[dict[str, str]] = []
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, lambda: input("you> "))
+            if not line.strip():
+                return 0
+            history.append({"role": "user", "content": line})
+            reply: list[str] = []
+            print("model> ", end="", flush=True)
+            async for event in client.stream(history, max_tokens=args.max_tokens):
+                if isinstance(event, TextDelta):
+                    reply.append(event.text)
+                    print(event.text, end="", flush=True)
+                elif isinstance(event, Done):
+                    print(f"\n  ({event.usage.completion_tokens} tokens, {event.stats.mean_accepted_length:.2f} tokens/pass)")
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentspec", description="Lossless speculative decoding for local agent LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("demo", "stream two agent tasks and show the speedup"), ("chat", "chat in the terminal"), ("bench", "benchmark against peers")):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
+        command.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    sub.choices["chat"].add_argument("--max-tokens", type=int, default=256)
+    bench = sub.choices["bench"]
+    bench.add_argument("--workloads", default="", help=f"comma-separated subset of: {', '.join(w.name for w in WORKLOADS)}")
+    bench.add_argument("--systems", default="", help="comma-separated subset of: hf_plain, hf_prompt_lookup, agentspec_plain, agentspec")
+    bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
+    bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")
+    bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        runner = _demo
+    elif args.command == "chat":
+        runner = _chat
+    else:
+        from .bench import main as runner
+    try:
+        return asyncio.run(runner(args))
+    except (KeyboardInterrupt, EOFError):
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

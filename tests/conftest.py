@@ -1,0 +1,68 @@
+"""Shared fixtures. The real default model is loaded once per test session."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import agentspec
+from agentspec.engine import Engine, Sequence
+from agentspec.model import LoadedModel, load_model
+from agentspec.params import GenerationParams
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    """The embedded default model (SmolLM2-135M-Instruct GGUF), dequantised to fp32 on CPU."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def engine(loaded: LoadedModel) -> Engine:
+    engine = Engine(loaded)
+    engine.calibrate()
+    return engine
+
+
+@pytest.fixture(scope="session")
+async def client(loaded: LoadedModel):
+    async with agentspec.Client() as client:  # reuses the loaded weights
+        yield client
+
+
+def decode(engine: Engine, prompt_ids: list[int], params: GenerationParams, max_new_tokens: int | None = None) -> tuple[Sequence, list[str]]:
+    """Run one sequence to the end on the calling thread; returns it and the text pieces emitted."""
+    seq = Sequence(list(prompt_ids), params, max_new_tokens=max_new_tokens or params.max_tokens or 32)
+    engine.start(seq)
+    pieces: list[str] = []
+    try:
+        while seq.finish_reason is None:
+            pieces.append(engine.step(seq).text)
+    finally:
+        engine.release(seq)
+    return seq, pieces
+
+
+def tiny_model(loaded: LoadedModel, *, seed: int = 0, hidden: int = 32, layers: int = 2, init: float = 0.5) -> LoadedModel:
+    """A random 2-layer Llama sharing the default tokenizer: cheap enough for statistical tests.
+
+    ``init`` is the weight scale: larger gives peakier next-token distributions.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=loaded.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    return dataclasses.replace(loaded, name=f"tiny-{seed}", model=model, context_window=512)

@@ -1,0 +1,218 @@
+"""Draft-length budgeting: expected tokens, the cost model's padding, the acceptance model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentspec.budget import AcceptanceModel, CostModel, choose_draft_length, expected_tokens
+
+
+def brute_force_expected(acceptance: float, k: int) -> float:
+    """Enumerate every accept/reject pattern of the k draft tokens: a step commits the accepted run
+    (up to the first rejection) plus one recovered or bonus token."""
+    total = 0.0
+    for pattern in itertools.product([True, False], repeat=k):
+        probability = 1.0
+        for accepted in pattern:
+            probability *= acceptance if accepted else 1.0 - acceptance
+        run = next((i for i, accepted in enumerate(pattern) if not accepted), k)
+        total += probability * (run + 1)
+    return total
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.1, 0.5, 0.75, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("k", range(0, 9))
+def test_expected_tokens_matches_enumeration(acceptance, k):
+    assert expected_tokens(acceptance, k) == pytest.approx(brute_force_expected(acceptance, k), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(("acceptance", "k", "expected"), [(0.0, 5, 1.0), (1.0, 5, 6.0), (0.5, 1, 1.5), (0.5, 2, 1.75)])
+def test_expected_tokens_by_hand(acceptance, k, expected):
+    assert expected_tokens(acceptance, k) == pytest.approx(expected)
+
+
+def costs_from(table: dict[int, float], max_positions: int = 9) -> CostModel:
+    costs = CostModel(max_positions=max_positions)
+    for positions, ms in table.items():
+        costs.record(positions, ms)
+    return costs
+
+
+def brute_force_best_k(available: int, acceptance: float, cost_of) -> int:
+    """The first k in 0..available maximising (sum_{j<=k} a^j) / cost(k + 1)."""
+    rates = [sum(acceptance**j for j in range(k + 1)) / cost_of(k + 1) for k in range(available + 1)]
+    return max(range(available + 1), key=lambda k: (rates[k], -k))
+
+
+FLAT = {p: 10.0 for p in range(1, 10)}
+LINEAR = {p: 10.0 * p for p in range(1, 10)}
+AFFINE = {p: 20.0 + 5.0 * p for p in range(1, 10)}  # a fixed overhead plus a per-position cost
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.05, 0.2, 0.4, 0.6, 0.8, 0.95, 0.99])
+@pytest.mark.parametrize(("name", "table"), [("flat", FLAT), ("linear", LINEAR), ("affine", AFFINE)])
+@pytest.mark.parametrize("available", [0, 1, 3, 8])
+def test_choose_draft_length_matches_brute_force(name, table, acceptance, available):
+    costs = costs_from(table)
+    assert choose_draft_length(available, acceptance, costs) == brute_force_best_k(available, acceptance, table.__getitem__)
+
+
+def test_flat_cost_drafts_everything_unless_nothing_is_accepted():
+    costs = costs_from(FLAT)
+    assert choose_draft_length(8, 0.0, costs) == 0
+    for acceptance in [0.01, 0.3, 0.9]:
+        assert choose_draft_length(8, acceptance, costs) == 8
+
+
+def test_linear_cost_never_speculates():
+    # k drafts cost k + 1 passes' worth but commit fewer than k + 1 tokens on average
+    costs = costs_from(LINEAR)
+    for acceptance in [0.0, 0.5, 0.9, 0.99]:
+        assert choose_draft_length(8, acceptance, costs) == 0
+
+
+def test_uncalibrated_never_speculates():
+    assert choose_draft_length(8, 0.9, CostModel(max_positions=9)) == 0
+
+
+def test_draft_length_grows_with_acceptance():
+    costs = costs_from(AFFINE)
+    lengths = [choose_draft_length(8, a / 100, costs) for a in range(0, 100, 2)]
+    assert lengths == sorted(lengths)
+    assert lengths[0] == 0 and lengths[2] == 0  # acceptance 0 and 0.04: plain steps
+    assert lengths[-1] == 8  # acceptance 0.98: the whole draft
+    assert len(set(lengths)) >= 4  # it really moves in between
+
+
+# -- CostModel ------------------------------------------------------------------------------------------
+
+
+def test_best_shape_pads_to_a_cheaper_larger_shape():
+    costs = costs_from({1: 50.0, 2: 70.0, 3: 80.0, 4: 55.0, 5: 90.0}, max_positions=5)
+    assert costs.best_shape(1) == 1  # 50 is the cheapest of all
+    assert costs.best_shape(2) == 4  # 70 > 55
+    assert costs.best_shape(3) == 4
+    assert costs.best_shape(4) == 4
+    assert costs.best_shape(5) == 5
+    assert costs.effective_cost(2) == 55.0
+    assert costs.effective_cost(1) == 50.0
+
+
+def test_best_shape_prefers_the_smaller_of_equal_costs():
+    costs = costs_from({2: 40.0, 3: 40.0, 4: 40.0}, max_positions=4)
+    assert costs.best_shape(2) == 2
+    assert costs.best_shape(3) == 3
+
+
+def test_best_shape_without_measurements():
+    costs = costs_from({2: 10.0}, max_positions=4)
+    assert costs.best_shape(3) == 3  # nothing measured at 3 or above
+    assert costs.best_shape(7) == 7  # beyond the model
+    assert CostModel(max_positions=4).best_shape(2) == 2
+
+
+def test_padding_makes_drafting_pay():
+    # 2-3 positions cost more than 4 (as on a 2-core CPU): one draft token is verified as a 4-shape
+    costs = costs_from({1: 50.0, 2: 70.0, 3: 80.0, 4: 55.0}, max_positions=4)
+    # with padding, k = 1..3 all cost 55: per ms, k = 3 is best once drafts are accepted often
+    assert choose_draft_length(3, 0.8, costs) == 3
+    # k=0 costs 50; k=1 would commit 1 + a tokens for 55 ms: worth it iff a > 0.1
+    assert choose_draft_length(1, 0.05, costs) == 0
+    assert choose_draft_length(1, 0.15, costs) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    measured=st.dictionaries(st.integers(1, 9), st.floats(1.0, 100.0), max_size=9),
+    positions=st.integers(1, 12),
+)
+def test_best_shape_properties(measured, positions):
+    costs = costs_from(measured, max_positions=9)
+    shape = costs.best_shape(positions)
+    assert shape >= positions  # never fewer positions than asked
+    at_least = {p: ms for p, ms in measured.items() if p >= positions}
+    if at_least:
+        assert shape in at_least
+        assert at_least[shape] == min(at_least.values())  # the cheapest of them
+    else:
+        assert shape == positions
+
+
+def test_cost_moving_average_and_extrapolation():
+    costs = CostModel(max_positions=4)
+    assert costs.cost(3) == 3.0  # uncalibrated: proportional to positions
+    costs.record(2, 100.0)
+    costs.record(2, 50.0)
+    assert costs.cost(2) == pytest.approx(90.0)  # 100 + 0.2 * (50 - 100)
+    assert costs.cost(4) == pytest.approx(180.0)  # nearest measured is 2: scaled linearly
+    assert costs.cost(1) == pytest.approx(90.0)  # below the nearest: not scaled down
+    costs.record(9, 1.0)  # beyond max_positions: ignored
+    assert costs.cost(4) == pytest.approx(180.0)
+
+
+# -- AcceptanceModel ------------------------------------------------------------------------------------
+
+
+def test_acceptance_starts_at_the_prior():
+    model = AcceptanceModel()
+    for evidence, prior in AcceptanceModel.PRIOR.items():
+        assert model.rate("ngram", evidence) == pytest.approx(prior)
+    assert model.rate("ngram", 0) == pytest.approx(AcceptanceModel.PRIOR[1])  # clamped to 1..4
+    assert model.rate("ngram", 9) == pytest.approx(AcceptanceModel.PRIOR[4])
+
+
+def test_acceptance_worked_example():
+    model = AcceptanceModel()
+    # 4 drafted, 2 accepted: 3 trials (two accepts and the rejection), 2 successes
+    model.observe("ngram", 2, drafted=4, accepted=2)
+    assert model.rate("ngram", 2) == pytest.approx((2 + 0.45 * 2) / (3 + 2))
+    model = AcceptanceModel()
+    model.observe("ngram", 4, drafted=4, accepted=4)  # 4 trials, 4 successes
+    model.observe("ngram", 4, drafted=4, accepted=0)  # old evidence * 0.9, then 1 trial, 0 successes
+    assert model.rate("ngram", 4) == pytest.approx((3.6 + 0.7 * 2) / (4.6 + 2))
+
+
+def test_acceptance_moves_toward_observed_rates():
+    model = AcceptanceModel()
+    rates = [model.rate("ngram", 3)]
+    for _ in range(30):
+        model.observe("ngram", 3, drafted=4, accepted=4)
+        rates.append(model.rate("ngram", 3))
+    assert rates == sorted(rates) and rates[-1] > 0.95
+    rates = [rates[-1]]
+    for _ in range(30):
+        model.observe("ngram", 3, drafted=4, accepted=0)
+        rates.append(model.rate("ngram", 3))
+    assert rates == sorted(rates, reverse=True)
+    # without decay the 120 early successes would still dominate (> 0.75); with it, recent evidence does
+    assert rates[-1] < 0.3
+
+
+def test_acceptance_buckets_are_independent():
+    model = AcceptanceModel()
+    for _ in range(10):
+        model.observe("ngram", 1, drafted=3, accepted=0)
+    assert model.rate("ngram", 1) < 0.1
+    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.PRIOR[2])
+    assert model.rate("model", 1) == pytest.approx(AcceptanceModel.PRIOR[1])
+    model.observe("ngram", 7, drafted=2, accepted=2)  # evidence above 4 shares the top bucket
+    assert model.rate("ngram", 4) > AcceptanceModel.PRIOR[4]
+
+
+def test_acceptance_ignores_empty_drafts():
+    model = AcceptanceModel()
+    model.observe("ngram", 2, drafted=0, accepted=0)
+    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.PRIOR[2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), max_size=30))
+def test_acceptance_rate_stays_a_probability(steps):
+    model = AcceptanceModel()
+    for drafted, accepted in steps:
+        model.observe("ngram", 2, drafted=drafted, accepted=min(accepted, drafted))
+        assert 0.0 <= model.rate("ngram", 2) <= 1.0
