@@ -58,19 +58,24 @@ class AcceptanceModel:
 
     DECAY = 0.9  # weight of older observations after each new one
     PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
-    PRIOR = {1: 0.3, 2: 0.45, 3: 0.6, 4: 0.7}  # n-gram acceptance by matched length, before evidence
+    MAX_EVIDENCE = 8  # evidence levels kept apart; stronger evidence shares the top bucket
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, int], tuple[float, float]] = {}
 
+    @classmethod
+    def _bucket(cls, source: str, evidence: int) -> tuple[str, int]:
+        return source, min(max(evidence, 1), cls.MAX_EVIDENCE)
+
     @staticmethod
-    def _bucket(source: str, evidence: int) -> tuple[str, int]:
-        return source, min(max(evidence, 1), 4)
+    def prior(evidence: int) -> float:
+        """Acceptance before any observation: 0.3 for a 1-token match, +0.1 per matched token, at most 0.8."""
+        return min(0.2 + 0.1 * evidence, 0.8)
 
     def rate(self, source: str, evidence: int) -> float:
         bucket = self._bucket(source, evidence)
         accepted, trials = self._counts.get(bucket, (0.0, 0.0))
-        prior = self.PRIOR[bucket[1]]
+        prior = self.prior(bucket[1])
         return (accepted + prior * self.PRIOR_WEIGHT) / (trials + self.PRIOR_WEIGHT)
 
     def observe(self, source: str, evidence: int, drafted: int, accepted: int) -> None:

@@ -153,7 +153,7 @@ class Client:
         if self._state is _State.RUNNING:
             return self
         loaded = await anyio.to_thread.run_sync(lambda: load_model(self.model_ref, device=self.device, dtype=self.dtype))
-        engine = Engine(loaded, max_draft_tokens=max(8, self.spec.max_draft_tokens))
+        engine = Engine(loaded, max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens))
         await anyio.to_thread.run_sync(engine.calibrate)
         runtime = Runtime(engine, on_finished=lambda seq: self._metrics.add(seq.stats))
         runtime.start()

@@ -84,7 +84,7 @@ class Sequence:
 class Engine:
     """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step``."""
 
-    def __init__(self, loaded: LoadedModel, *, max_draft_tokens: int = 8, drafter_factory: DrafterFactory = default_drafter) -> None:
+    def __init__(self, loaded: LoadedModel, *, max_draft_tokens: int = 16, drafter_factory: DrafterFactory = default_drafter) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device

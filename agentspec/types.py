@@ -28,19 +28,21 @@ FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
 class SpecConfig(BaseModel):
     """How the engine speculates. ``SpecConfig(enabled=False)`` is plain decoding.
 
-    The defaults suit agent traffic on a small local model: drafts of up to 8 tokens, n-gram matches
-    of 1 to 4 tokens, and a draft length chosen per step from measured acceptance and measured
-    verification cost (``adaptive``). With ``adaptive=False`` every available draft is verified at
-    its full length (up to ``max_draft_tokens``); tests use it to pin K.
+    The defaults suit agent traffic on a small local model: drafts of up to 16 tokens (long copied
+    runs are common; a step only verifies as many as pay off), n-gram matches of 1 to 8 tokens (a
+    longer match picks the right place to copy from), and a draft length chosen per step from
+    measured acceptance and measured verification cost (``adaptive``). With ``adaptive=False``
+    every available draft is verified at its full length (up to ``max_draft_tokens``); tests use it
+    to pin K.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = True
-    max_draft_tokens: int = Field(8, ge=0, le=32, description="K: most draft tokens verified per step")
+    max_draft_tokens: int = Field(16, ge=0, le=32, description="K: most draft tokens verified per step")
     adaptive: bool = True
     ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the drafter matches")
-    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram the drafter matches")
+    ngram_max: int = Field(8, ge=1, le=16, description="longest suffix n-gram the drafter matches")
 
 
 class Usage(BaseModel):

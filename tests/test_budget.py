@@ -159,21 +159,22 @@ def test_cost_moving_average_and_extrapolation():
 
 def test_acceptance_starts_at_the_prior():
     model = AcceptanceModel()
-    for evidence, prior in AcceptanceModel.PRIOR.items():
+    expected = {1: 0.3, 2: 0.4, 3: 0.5, 4: 0.6, 5: 0.7, 6: 0.8, 7: 0.8, 8: 0.8}  # 0.3, +0.1 per token, <= 0.8
+    for evidence, prior in expected.items():
         assert model.rate("ngram", evidence) == pytest.approx(prior)
-    assert model.rate("ngram", 0) == pytest.approx(AcceptanceModel.PRIOR[1])  # clamped to 1..4
-    assert model.rate("ngram", 9) == pytest.approx(AcceptanceModel.PRIOR[4])
+    assert model.rate("ngram", 0) == pytest.approx(0.3)  # clamped to 1..MAX_EVIDENCE
+    assert model.rate("ngram", 20) == pytest.approx(0.8)
 
 
 def test_acceptance_worked_example():
     model = AcceptanceModel()
     # 4 drafted, 2 accepted: 3 trials (two accepts and the rejection), 2 successes
     model.observe("ngram", 2, drafted=4, accepted=2)
-    assert model.rate("ngram", 2) == pytest.approx((2 + 0.45 * 2) / (3 + 2))
+    assert model.rate("ngram", 2) == pytest.approx((2 + 0.4 * 2) / (3 + 2))
     model = AcceptanceModel()
     model.observe("ngram", 4, drafted=4, accepted=4)  # 4 trials, 4 successes
     model.observe("ngram", 4, drafted=4, accepted=0)  # old evidence * 0.9, then 1 trial, 0 successes
-    assert model.rate("ngram", 4) == pytest.approx((3.6 + 0.7 * 2) / (4.6 + 2))
+    assert model.rate("ngram", 4) == pytest.approx((3.6 + 0.6 * 2) / (4.6 + 2))
 
 
 def test_acceptance_moves_toward_observed_rates():
@@ -197,16 +198,16 @@ def test_acceptance_buckets_are_independent():
     for _ in range(10):
         model.observe("ngram", 1, drafted=3, accepted=0)
     assert model.rate("ngram", 1) < 0.1
-    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.PRIOR[2])
-    assert model.rate("model", 1) == pytest.approx(AcceptanceModel.PRIOR[1])
-    model.observe("ngram", 7, drafted=2, accepted=2)  # evidence above 4 shares the top bucket
-    assert model.rate("ngram", 4) > AcceptanceModel.PRIOR[4]
+    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.prior(2))
+    assert model.rate("model", 1) == pytest.approx(AcceptanceModel.prior(1))
+    model.observe("ngram", 12, drafted=2, accepted=2)  # evidence above MAX_EVIDENCE shares the top bucket
+    assert model.rate("ngram", AcceptanceModel.MAX_EVIDENCE) > AcceptanceModel.prior(AcceptanceModel.MAX_EVIDENCE)
 
 
 def test_acceptance_ignores_empty_drafts():
     model = AcceptanceModel()
     model.observe("ngram", 2, drafted=0, accepted=0)
-    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.PRIOR[2])
+    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.prior(2))
 
 
 @settings(max_examples=200, deadline=None)
