@@ -80,7 +80,8 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
     prompt_ids = client.loaded.chat.encode(work.messages)
     if system in ("hf_plain", "hf_prompt_lookup"):
         extra = {"prompt_lookup_num_tokens": 10} if system == "hf_prompt_lookup" else {}
-        ids, forwards = _hf_generate(client, prompt_ids, max_tokens, **extra)
+        # on the engine's thread, like agentspec itself, so both run under the same threading conditions
+        ids, forwards = await client.run_on_worker(lambda: _hf_generate(client, prompt_ids, max_tokens, **extra))
         stops = client.loaded.stop_token_ids
         end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
         return ids[:end], min(end + 1, len(ids)), forwards

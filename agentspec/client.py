@@ -9,12 +9,13 @@ request before its next engine step.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import anyio
 import torch
@@ -28,6 +29,8 @@ from .runtime import Channel, RequestHandle, Runtime
 from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, Usage
 
 __all__ = ["Client", "Stream"]
+
+T = TypeVar("T")
 
 
 class _State(enum.Enum):
@@ -47,8 +50,6 @@ class Stream:
         self._state = _State.NEW
 
     def _submit(self) -> RequestHandle:
-        import asyncio
-
         channel = Channel(asyncio.get_running_loop())
         self._seq.submitted_at = time.perf_counter()
         handle = RequestHandle(self._seq, channel, self._runtime)
@@ -152,13 +153,27 @@ class Client:
             raise ClientClosedError("This client is closed; create a new agentspec.Client.")
         if self._state is _State.RUNNING:
             return self
-        loaded = await anyio.to_thread.run_sync(lambda: load_model(self.model_ref, device=self.device, dtype=self.dtype))
-        engine = Engine(loaded, max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens))
-        await anyio.to_thread.run_sync(engine.calibrate)
-        runtime = Runtime(engine, on_finished=lambda seq: self._metrics.add(seq.stats))
+        runtime = Runtime(on_finished=lambda seq: self._metrics.add(seq.stats))
         runtime.start()
+
+        def set_up() -> LoadedModel:  # on the worker thread, which runs all of this client's torch work
+            loaded = load_model(self.model_ref, device=self.device, dtype=self.dtype)
+            engine = Engine(loaded, max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens))
+            engine.calibrate()
+            runtime.engine = engine
+            return loaded
+
+        try:
+            loaded = await asyncio.wrap_future(runtime.call(set_up))
+        except BaseException:
+            runtime.stop()
+            raise
         self._loaded, self._runtime, self._state = loaded, runtime, _State.RUNNING
         return self
+
+    async def run_on_worker(self, fn: Callable[[], T]) -> T:
+        """Run blocking torch code on the engine's thread, between steps (e.g. a baseline to compare)."""
+        return await asyncio.wrap_future(self._require_running().call(fn))
 
     async def aclose(self) -> None:
         """Cancel running streams (they end with finish_reason 'cancelled') and stop. Idempotent."""
