@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -291,6 +291,10 @@ class _SequenceState:
             seq.first_token_at = time.perf_counter()
         self.pipeline.observe(new_tokens[:committed])
         if self.drafter is not None and finish is None:
-            self.drafter.observe(new_tokens[:committed])
+            try:
+                self.drafter.observe(new_tokens[:committed])
+            except Exception:  # its state is now unknown: decode the rest of this request plainly
+                log.exception("drafter %s failed to observe; speculation off for this request", type(self.drafter).__name__)
+                self.drafter = None
         seq.finish_reason = finish
         return StepOutput("".join(text), emitted, finish)

@@ -63,7 +63,7 @@ async def test_aclose_stops_decoding_and_others_continue(client):
     other = asyncio.create_task(client.generate(COPY, max_tokens=24))
     stream = client.stream(STORY, max_tokens=400)
     got = 0
-    async for event in stream:
+    async for _event in stream:
         got += 1
         if got == 3:
             break
@@ -76,7 +76,7 @@ async def test_aclose_stops_decoding_and_others_continue(client):
 
 
 async def test_break_without_close_frees_the_engine(client):
-    async for event in client.stream(STORY, max_tokens=400):
+    async for _event in client.stream(STORY, max_tokens=400):
         break
     gc.collect()  # the dropped stream's finalizer cancels the request
     await wait_idle(client)

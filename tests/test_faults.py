@@ -1,0 +1,77 @@
+"""Faults stay inside the request they hit: a failing drafter costs plain steps, never output;
+a failing forward pass ends one request with a typed error while the others and the client go on."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import pytest
+
+import agentspec
+from agentspec.drafting import Draft, NgramDrafter
+from agentspec.engine import Engine
+from agentspec.params import GenerationParams
+from agentspec.types import SpecConfig
+
+from .conftest import decode
+
+PROMPT = [{"role": "user", "content": "Repeat exactly: to be or not to be, that is the question; to be or not to be."}]
+
+
+class FlakyDrafter(NgramDrafter):
+    """An n-gram drafter whose ``propose`` raises on every other call (or ``observe`` after a while)."""
+
+    def __init__(self, fail_observe_after: int | None = None) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail_observe_after = fail_observe_after
+
+    def propose(self, k: int) -> Draft:
+        self.calls += 1
+        if self.fail_observe_after is None and self.calls % 2:
+            raise RuntimeError("drafter bug")
+        return super().propose(k)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        if self.fail_observe_after is not None and self.calls > self.fail_observe_after:
+            raise RuntimeError("drafter bug in observe")
+        super().observe(committed)
+
+
+@pytest.mark.parametrize("fail_observe_after", [None, 3])
+def test_failing_drafter_costs_plain_steps_not_output(engine, loaded, fail_observe_after):
+    prompt_ids = loaded.chat.encode(PROMPT)
+    flaky = Engine(loaded, drafter_factory=lambda params: FlakyDrafter(fail_observe_after))
+    flaky.costs = engine.costs
+    params = GenerationParams(max_tokens=24, spec=SpecConfig(adaptive=False))
+    plain, _ = decode(engine, prompt_ids, GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False)))
+    seq, _ = decode(flaky, prompt_ids, params)
+    assert seq.tokens == plain.tokens
+    if fail_observe_after is None:
+        assert seq.stats.fallback_steps >= seq.stats.target_forward_passes // 2  # each failure counted
+        assert seq.stats.accepted_tokens > 0  # the calls that worked still sped things up
+    else:
+        assert seq.stats.target_forward_passes > 0
+
+
+async def test_failing_forward_ends_one_request_only(client, monkeypatch):
+    engine = client._runtime.engine
+    real_step = engine.step
+
+    def step(seq):
+        if seq.params.max_tokens == 7:  # the victim request
+            raise MemoryError("simulated out of memory")
+        return real_step(seq)
+
+    monkeypatch.setattr(engine, "step", step)
+    healthy = asyncio.create_task(client.generate(PROMPT, max_tokens=16))
+    with pytest.raises(agentspec.EngineError, match="out of memory") as info:
+        await client.generate(PROMPT, max_tokens=7)
+    assert isinstance(info.value.__cause__, MemoryError)
+    done = await healthy
+    assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
+    monkeypatch.setattr(engine, "step", real_step)
+    again = await client.generate(PROMPT, max_tokens=7)  # the client keeps serving
+    assert again.usage.completion_tokens == 7
+    assert engine.active == 0
