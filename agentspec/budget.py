@@ -8,14 +8,16 @@ Two measured inputs decide every step:
 - ``AcceptanceModel``: per request, the probability that a draft token is accepted, kept per
   (source, evidence) bucket with decaying counts and a prior, so it follows the text as it changes.
 
-With per-token acceptance a, verifying k tokens commits on average (1 - a^(k+1)) / (1 - a) tokens
-(the accepted run plus the recovered/bonus token), so the engine picks the k in 0..K that maximises
-that over the cost of k + 1 positions. k = 0 is a plain decoding step.
+With first-token acceptance f and later-token acceptance r, verifying k tokens commits on average
+1 + f (1 - r^k) / (1 - r) tokens (the accepted run plus the recovered/bonus token), so the engine
+picks the k in 0..K that maximises that over the cost of k + 1 positions. k = 0 is a plain step.
 """
 
 from __future__ import annotations
 
-__all__ = ["CostModel", "AcceptanceModel", "choose_draft_length", "expected_tokens"]
+from typing import NamedTuple
+
+__all__ = ["CostModel", "Acceptance", "AcceptanceModel", "choose_draft_length", "expected_tokens"]
 
 
 class CostModel:
@@ -53,15 +55,28 @@ class CostModel:
         return self.cost(self.best_shape(positions))
 
 
+class Acceptance(NamedTuple):
+    """Acceptance probabilities of a draft: its first token, and each later token given the previous."""
+
+    first: float
+    rest: float
+
+
 class AcceptanceModel:
-    """Per-token acceptance probability per (source, evidence) bucket, with decay and a prior."""
+    """Acceptance per (source, evidence) bucket, with decay and a prior.
+
+    Two probabilities per bucket, because drafts copy: whether the first token is right is uncertain
+    (did the text go back to copying here?), but once it is, the following ones usually are too.
+    """
 
     DECAY = 0.9  # weight of older observations after each new one
     PRIOR_WEIGHT = 2.0  # pseudo-trials behind the prior
     MAX_EVIDENCE = 8  # evidence levels kept apart; stronger evidence shares the top bucket
+    PRIOR_REST = 0.7  # a copied run, once started, usually goes on
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, int], tuple[float, float]] = {}
+        # bucket -> [first accepted, first trials, rest accepted, rest trials]
+        self._counts: dict[tuple[str, int], list[float]] = {}
 
     @classmethod
     def _bucket(cls, source: str, evidence: int) -> tuple[str, int]:
@@ -69,37 +84,49 @@ class AcceptanceModel:
 
     @staticmethod
     def prior(evidence: int) -> float:
-        """Acceptance before any observation: 0.3 for a 1-token match, +0.1 per matched token, at most 0.8."""
+        """First-token acceptance before any observation: 0.3 for a 1-token match, +0.1 per token, at most 0.8."""
         return min(0.2 + 0.1 * evidence, 0.8)
 
-    def rate(self, source: str, evidence: int) -> float:
+    def rate(self, source: str, evidence: int) -> Acceptance:
         bucket = self._bucket(source, evidence)
-        accepted, trials = self._counts.get(bucket, (0.0, 0.0))
-        prior = self.prior(bucket[1])
-        return (accepted + prior * self.PRIOR_WEIGHT) / (trials + self.PRIOR_WEIGHT)
+        first_acc, first_trials, rest_acc, rest_trials = self._counts.get(bucket, (0.0, 0.0, 0.0, 0.0))
+        weight = self.PRIOR_WEIGHT
+        return Acceptance(
+            first=(first_acc + self.prior(bucket[1]) * weight) / (first_trials + weight),
+            rest=(rest_acc + self.PRIOR_REST * weight) / (rest_trials + weight),
+        )
 
     def observe(self, source: str, evidence: int, drafted: int, accepted: int) -> None:
         """``drafted`` tokens were verified and the first ``accepted`` kept (a run ends at a rejection)."""
         if drafted <= 0:
             return
-        bucket = self._bucket(source, evidence)
-        old_accepted, old_trials = self._counts.get(bucket, (0.0, 0.0))
-        trials = min(accepted + 1, drafted)
-        self._counts[bucket] = (old_accepted * self.DECAY + accepted, old_trials * self.DECAY + trials)
+        counts = self._counts.setdefault(self._bucket(source, evidence), [0.0, 0.0, 0.0, 0.0])
+        counts[:] = [c * self.DECAY for c in counts]
+        counts[0] += accepted > 0
+        counts[1] += 1
+        if accepted > 0:  # later tokens: accepted - 1 successes, then the rejection if there was one
+            counts[2] += accepted - 1
+            counts[3] += min(accepted, drafted - 1)
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Mean tokens committed by a step verifying k drafts with per-token acceptance ``acceptance``."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+def expected_tokens(first: float, k: int, rest: float | None = None) -> float:
+    """Mean tokens committed by a step verifying k drafts: the accepted run plus one token.
+
+    The first draft token is accepted with probability ``first``, each later one (given the previous)
+    with ``rest`` (default: ``first``, i.e. independent tokens: (1 - a^(k+1)) / (1 - a)).
+    """
+    rest = first if rest is None else rest
+    if k == 0:
+        return 1.0
+    run = k if rest >= 1.0 else (1.0 - rest**k) / (1.0 - rest)  # 1 + rest + ... + rest^(k-1)
+    return 1.0 + first * run
 
 
-def choose_draft_length(available: int, acceptance: float, costs: CostModel) -> int:
+def choose_draft_length(available: int, first: float, costs: CostModel, rest: float | None = None) -> int:
     """The k in 0..available with the most expected tokens per millisecond (0 = plain step)."""
     best_k, best_rate = 0, 1.0 / costs.effective_cost(1)
     for k in range(1, available + 1):
-        rate = expected_tokens(acceptance, k) / costs.effective_cost(k + 1)
+        rate = expected_tokens(first, k, rest) / costs.effective_cost(k + 1)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

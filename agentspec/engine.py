@@ -255,8 +255,8 @@ class _SequenceState:
             return 0
         if not self.seq.params.spec.adaptive:
             return len(draft.tokens)
-        rate = self.acceptance.rate(draft.source, draft.evidence)
-        return choose_draft_length(len(draft.tokens), rate, self.engine.costs)
+        acceptance = self.acceptance.rate(draft.source, draft.evidence)
+        return choose_draft_length(len(draft.tokens), acceptance.first, self.engine.costs, acceptance.rest)
 
     def commit(self, new_tokens: list[int]) -> StepOutput:
         """Append verified tokens one at a time, stopping exactly where plain decoding would."""

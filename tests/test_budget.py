@@ -11,14 +11,17 @@ from hypothesis import strategies as st
 from agentspec.budget import AcceptanceModel, CostModel, choose_draft_length, expected_tokens
 
 
-def brute_force_expected(acceptance: float, k: int) -> float:
+def brute_force_expected(acceptance: float, k: int, rest: float | None = None) -> float:
     """Enumerate every accept/reject pattern of the k draft tokens: a step commits the accepted run
-    (up to the first rejection) plus one recovered or bonus token."""
+    (up to the first rejection) plus one recovered or bonus token. Token 0 is accepted with
+    ``acceptance``, later tokens with ``rest`` (default: the same)."""
+    rest = acceptance if rest is None else rest
     total = 0.0
     for pattern in itertools.product([True, False], repeat=k):
         probability = 1.0
-        for accepted in pattern:
-            probability *= acceptance if accepted else 1.0 - acceptance
+        for i, accepted in enumerate(pattern):
+            a = acceptance if i == 0 else rest
+            probability *= a if accepted else 1.0 - a
         run = next((i for i, accepted in enumerate(pattern) if not accepted), k)
         total += probability * (run + 1)
     return total
@@ -28,6 +31,17 @@ def brute_force_expected(acceptance: float, k: int) -> float:
 @pytest.mark.parametrize("k", range(0, 9))
 def test_expected_tokens_matches_enumeration(acceptance, k):
     assert expected_tokens(acceptance, k) == pytest.approx(brute_force_expected(acceptance, k), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(("first", "rest"), [(0.3, 0.9), (0.9, 0.3), (0.0, 1.0), (1.0, 0.0), (0.5, 1.0)])
+@pytest.mark.parametrize("k", range(0, 7))
+def test_expected_tokens_with_two_rates(first, rest, k):
+    assert expected_tokens(first, k, rest) == pytest.approx(brute_force_expected(first, k, rest), rel=1e-12, abs=1e-12)
+
+
+def test_a_likely_continuation_makes_longer_drafts_worth_it():
+    flat = costs_from({p: 10.0 + p for p in range(1, 10)})
+    assert choose_draft_length(8, 0.4, flat, rest=0.4) < choose_draft_length(8, 0.4, flat, rest=0.95)
 
 
 @pytest.mark.parametrize(("acceptance", "k", "expected"), [(0.0, 5, 1.0), (1.0, 5, 6.0), (0.5, 1, 1.5), (0.5, 2, 1.75)])
@@ -161,20 +175,26 @@ def test_acceptance_starts_at_the_prior():
     model = AcceptanceModel()
     expected = {1: 0.3, 2: 0.4, 3: 0.5, 4: 0.6, 5: 0.7, 6: 0.8, 7: 0.8, 8: 0.8}  # 0.3, +0.1 per token, <= 0.8
     for evidence, prior in expected.items():
-        assert model.rate("ngram", evidence) == pytest.approx(prior)
-    assert model.rate("ngram", 0) == pytest.approx(0.3)  # clamped to 1..MAX_EVIDENCE
-    assert model.rate("ngram", 20) == pytest.approx(0.8)
+        assert model.rate("ngram", evidence) == pytest.approx((prior, AcceptanceModel.PRIOR_REST))
+    assert model.rate("ngram", 0).first == pytest.approx(0.3)  # clamped to 1..MAX_EVIDENCE
+    assert model.rate("ngram", 20).first == pytest.approx(0.8)
 
 
 def test_acceptance_worked_example():
+    w, rest_prior = AcceptanceModel.PRIOR_WEIGHT, AcceptanceModel.PRIOR_REST
     model = AcceptanceModel()
-    # 4 drafted, 2 accepted: 3 trials (two accepts and the rejection), 2 successes
+    # 4 drafted, 2 accepted: the first token was right; of the later ones 1 right, then a rejection
     model.observe("ngram", 2, drafted=4, accepted=2)
-    assert model.rate("ngram", 2) == pytest.approx((2 + 0.4 * 2) / (3 + 2))
+    assert model.rate("ngram", 2).first == pytest.approx((1 + 0.4 * w) / (1 + w))
+    assert model.rate("ngram", 2).rest == pytest.approx((1 + rest_prior * w) / (2 + w))
     model = AcceptanceModel()
-    model.observe("ngram", 4, drafted=4, accepted=4)  # 4 trials, 4 successes
-    model.observe("ngram", 4, drafted=4, accepted=0)  # old evidence * 0.9, then 1 trial, 0 successes
-    assert model.rate("ngram", 4) == pytest.approx((3.6 + 0.6 * 2) / (4.6 + 2))
+    model.observe("ngram", 4, drafted=4, accepted=4)  # first right; later: 3 of 3
+    model.observe("ngram", 4, drafted=4, accepted=0)  # old evidence * 0.9, then a wrong first token
+    assert model.rate("ngram", 4).first == pytest.approx((0.9 + 0.6 * w) / (1.9 + w))
+    assert model.rate("ngram", 4).rest == pytest.approx((2.7 + rest_prior * w) / (2.7 + w))
+    model = AcceptanceModel()
+    model.observe("ngram", 3, drafted=1, accepted=1)  # a one-token draft says nothing about later tokens
+    assert model.rate("ngram", 3).rest == pytest.approx(rest_prior)
 
 
 def test_acceptance_moves_toward_observed_rates():
@@ -183,31 +203,35 @@ def test_acceptance_moves_toward_observed_rates():
     for _ in range(30):
         model.observe("ngram", 3, drafted=4, accepted=4)
         rates.append(model.rate("ngram", 3))
-    assert rates == sorted(rates) and rates[-1] > 0.95
+    # decayed counts saturate at 1 / (1 - DECAY) = 10 first-token trials: (10 + 0.5 * 2) / (10 + 2)
+    assert [r.first for r in rates] == sorted(r.first for r in rates) and rates[-1].first > 0.9
+    assert rates[-1].rest > 0.95
     rates = [rates[-1]]
     for _ in range(30):
         model.observe("ngram", 3, drafted=4, accepted=0)
         rates.append(model.rate("ngram", 3))
-    assert rates == sorted(rates, reverse=True)
-    # without decay the 120 early successes would still dominate (> 0.75); with it, recent evidence does
-    assert rates[-1] < 0.3
+    assert [r.first for r in rates] == sorted((r.first for r in rates), reverse=True)
+    # without decay the 30 early successes would still dominate (> 0.5); with it, recent evidence does:
+    # (10 * 0.9^30 + 0.5 * 2) / (10 + 2) = 0.12
+    assert rates[-1].first < 0.15
 
 
 def test_acceptance_buckets_are_independent():
     model = AcceptanceModel()
     for _ in range(10):
         model.observe("ngram", 1, drafted=3, accepted=0)
-    assert model.rate("ngram", 1) < 0.1
-    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.prior(2))
-    assert model.rate("model", 1) == pytest.approx(AcceptanceModel.prior(1))
+    assert model.rate("ngram", 1).first < 0.1
+    assert model.rate("ngram", 2).first == pytest.approx(AcceptanceModel.prior(2))
+    assert model.rate("model", 1).first == pytest.approx(AcceptanceModel.prior(1))
     model.observe("ngram", 12, drafted=2, accepted=2)  # evidence above MAX_EVIDENCE shares the top bucket
-    assert model.rate("ngram", AcceptanceModel.MAX_EVIDENCE) > AcceptanceModel.prior(AcceptanceModel.MAX_EVIDENCE)
+    top = AcceptanceModel.MAX_EVIDENCE
+    assert model.rate("ngram", top).first > AcceptanceModel.prior(top)
 
 
 def test_acceptance_ignores_empty_drafts():
     model = AcceptanceModel()
     model.observe("ngram", 2, drafted=0, accepted=0)
-    assert model.rate("ngram", 2) == pytest.approx(AcceptanceModel.prior(2))
+    assert model.rate("ngram", 2) == pytest.approx((AcceptanceModel.prior(2), AcceptanceModel.PRIOR_REST))
 
 
 @settings(max_examples=200, deadline=None)
@@ -216,4 +240,5 @@ def test_acceptance_rate_stays_a_probability(steps):
     model = AcceptanceModel()
     for drafted, accepted in steps:
         model.observe("ngram", 2, drafted=drafted, accepted=min(accepted, drafted))
-        assert 0.0 <= model.rate("ngram", 2) <= 1.0
+        first, rest = model.rate("ngram", 2)
+        assert 0.0 <= first <= 1.0 and 0.0 <= rest <= 1.0
