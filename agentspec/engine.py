@@ -45,7 +45,7 @@ def default_drafter(params: GenerationParams) -> Drafter | None:
     spec = params.spec
     if not spec.enabled or spec.max_draft_tokens == 0:
         return None
-    return NgramDrafter(min_n=spec.ngram_min, max_n=max(spec.ngram_min, spec.ngram_max))
+    return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
 
 
 @dataclass(slots=True)

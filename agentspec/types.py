@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "SpecConfig",
@@ -43,6 +43,12 @@ class SpecConfig(BaseModel):
     adaptive: bool = True
     ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the drafter matches")
     ngram_max: int = Field(8, ge=1, le=16, description="longest suffix n-gram the drafter matches")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> "SpecConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self
 
 
 class Usage(BaseModel):

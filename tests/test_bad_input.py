@@ -68,6 +68,13 @@ async def test_prompt_longer_than_context_window(client):
         client.stream([{"role": "user", "content": words}])
 
 
+def test_bad_spec_config():
+    with pytest.raises(ValueError, match="ngram_min"):
+        agentspec.SpecConfig(ngram_min=5, ngram_max=2)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        agentspec.SpecConfig(max_draft_tokens=-1)
+
+
 def test_bad_client_options():
     with pytest.raises(agentspec.InvalidRequestError, match="spec"):
         agentspec.Client(spec={"enabled": False})

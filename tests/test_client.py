@@ -59,6 +59,21 @@ async def test_concurrent_streams_match_solo_runs(client):
     assert [c.token_ids for c in together] == [c.token_ids for c in solo]
 
 
+async def test_a_short_request_is_not_starved_by_a_long_one(client):
+    long_done = asyncio.Event()
+
+    async def long_request():
+        await client.generate(STORY, max_tokens=120)
+        long_done.set()
+
+    long_task = asyncio.create_task(long_request())
+    await asyncio.sleep(0.5)  # the long request is decoding
+    short = await client.generate(COPY, max_tokens=5)
+    assert short.usage.completion_tokens == 5
+    assert not long_done.is_set(), "round-robin: the short request finishes while the long one still runs"
+    await long_task
+
+
 async def test_aclose_stops_decoding_and_others_continue(client):
     other = asyncio.create_task(client.generate(COPY, max_tokens=24))
     stream = client.stream(STORY, max_tokens=400)
