@@ -7,7 +7,7 @@ Systems (all greedy, same stop tokens, same max_tokens):
 - ``agentspec``         agentspec with speculation
 
 Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain},
-where ``identical_to_plain`` compares token ids with ``hf_plain``. Speed is always a ratio against a
+where ``identical_to_plain`` compares token ids with the first system run (``hf_plain`` by default). Speed is always a ratio against a
 baseline measured in the same process, never an absolute claim.
 """
 
@@ -26,7 +26,7 @@ from .budget import CostModel
 from .client import Client
 from .drafting import NgramIndex
 from .types import SpecConfig
-from .workloads import WORKLOADS, Workload
+from .workloads import WORKLOADS, Workload, workload
 
 __all__ = ["BenchRow", "SYSTEMS", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
 
@@ -172,7 +172,11 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 async def main(args: Any) -> int:
-    selected = [w for w in WORKLOADS if not args.workloads or w.name in args.workloads.split(",")]
+    names = [n for n in args.workloads.split(",") if n] if args.workloads else [w.name for w in WORKLOADS]
+    try:
+        selected = [workload(name) for name in names]
+    except KeyError as exc:
+        raise SystemExit(str(exc)) from None
     systems = args.systems.split(",") if args.systems else SYSTEMS
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from .client import Client
+from .errors import AgentSpecError
 from .types import Done, SpecStats, TextDelta
 from .workloads import WORKLOADS, workload
 
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as runner
     try:
         return asyncio.run(runner(args))
+    except AgentSpecError as exc:
+        print(f"agentspec: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, EOFError):
         return 130
 

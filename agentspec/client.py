@@ -144,15 +144,20 @@ class Client:
         self._loaded: LoadedModel | None = None
         self._runtime: Runtime | None = None
         self._metrics = MetricsAggregator()
+        self._start_lock = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> "Client":
         """Load the model (off the event loop), measure verification costs, start the worker."""
+        async with self._start_lock:  # concurrent start() calls load once
+            if self._state is _State.NEW:
+                await self._start()
         if self._state is _State.CLOSED:
             raise ClientClosedError("This client is closed; create a new agentspec.Client.")
-        if self._state is _State.RUNNING:
-            return self
+        return self
+
+    async def _start(self) -> None:
         runtime = Runtime(on_finished=lambda seq: self._metrics.add(seq.stats))
         runtime.start()
 
@@ -166,10 +171,12 @@ class Client:
         try:
             loaded = await asyncio.wrap_future(runtime.call(set_up))
         except BaseException:
-            runtime.stop()
+            runtime.stop(timeout=0)  # the worker exits after the job in flight; never block the loop
             raise
+        if self._state is _State.CLOSED:  # aclose() was called while loading
+            runtime.stop(timeout=0)
+            return
         self._loaded, self._runtime, self._state = loaded, runtime, _State.RUNNING
-        return self
 
     async def run_on_worker(self, fn: Callable[[], T]) -> T:
         """Run blocking torch code on the engine's thread, between steps (e.g. a baseline to compare)."""

@@ -102,7 +102,7 @@ class Engine:
 
         The fastest of ``repeats`` runs is kept: interference from other processes only adds time.
         """
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()
         self._forward(torch.arange(context, device=self.device).unsqueeze(0) + 100, cache, 1)
         for positions in range(1, self.costs.max_positions + 1):
             timings = []
@@ -188,7 +188,10 @@ class Engine:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _shape(self, positions: int, seq: Sequence) -> int:
-        """Positions to run: padded to the cheapest measured shape, never past the context window."""
+        """Positions to run: a verification is padded to the cheapest measured shape, never past the
+        context window. A plain step is never padded, so plain decoding does not depend on timings."""
+        if positions == 1:
+            return 1
         room = self.loaded.context_window - len(seq.tokens) + 1
         return max(positions, min(self.costs.best_shape(positions), room))
 
@@ -204,12 +207,10 @@ class Engine:
         stats, now = seq.stats, time.perf_counter()
         stats.requests = 1
         stats.output_tokens = seq.generated
-        stats.target_forward_passes_saved = seq.generated - stats.target_forward_passes
-        stats.acceptance_rate = stats.accepted_tokens / stats.drafted_tokens if stats.drafted_tokens else 0.0
-        stats.mean_accepted_length = seq.generated / max(stats.target_forward_passes, 1)
-        first = seq.first_token_at or now
-        stats.ttft_ms = (first - seq.submitted_at) * 1e3
-        stats.tpot_ms = (now - first) * 1e3 / (seq.generated - 1) if seq.generated > 1 else 0.0
+        stats.derive()
+        if seq.first_token_at is not None:  # a request cancelled before its first token has no TTFT
+            stats.ttft_ms = (seq.first_token_at - seq.submitted_at) * 1e3
+            stats.tpot_ms = (now - seq.first_token_at) * 1e3 / (seq.generated - 1) if seq.generated > 1 else 0.0
 
 
 class _SequenceState:
@@ -218,7 +219,8 @@ class _SequenceState:
     def __init__(self, engine: Engine, seq: Sequence) -> None:
         self.engine, self.seq = engine, seq
         params = seq.params
-        self.cache = DynamicCache(config=engine.model.config)
+        # Full (not sliding-window) layers for every model: only those can be cropped back on rollback.
+        self.cache = DynamicCache()
         self.pipeline = LogitsPipeline(params, engine.loaded.vocab_size, engine.device)
         self.pipeline.observe(seq.prompt_ids)
         self.generator: torch.Generator | None = None

@@ -14,7 +14,6 @@ _COUNTERS = (
     "accepted_tokens",
     "output_tokens",
     "target_forward_passes",
-    "target_forward_passes_saved",
     "rollbacks",
     "fallback_steps",
     "draft_ms",
@@ -30,6 +29,7 @@ class MetricsAggregator:
         self._total = SpecStats()
         self._ttft_sum = 0.0
         self._tpot_sum = 0.0
+        self._timed_requests = 0  # requests that produced a first token (the TTFT/TPOT means' base)
 
     def add(self, stats: SpecStats) -> None:
         with self._lock:
@@ -38,18 +38,20 @@ class MetricsAggregator:
                 setattr(total, name, getattr(total, name) + getattr(stats, name))
             for source, count in stats.accepted_by_source.items():
                 total.accepted_by_source[source] = total.accepted_by_source.get(source, 0) + count
-            self._ttft_sum += stats.ttft_ms
-            self._tpot_sum += stats.tpot_ms
+            if stats.output_tokens:
+                self._ttft_sum += stats.ttft_ms
+                self._tpot_sum += stats.tpot_ms
+                self._timed_requests += 1
 
     def snapshot(self) -> SpecStats:
-        """Sums of the counters; rates recomputed from them; ttft/tpot as means over requests."""
+        """Sums of the counters; rates recomputed from them; ttft/tpot as means over requests that
+        produced at least one token."""
         with self._lock:
             total = self._total.model_copy(deep=True)
             ttft_sum, tpot_sum = self._ttft_sum, self._tpot_sum
-        total.acceptance_rate = total.accepted_tokens / total.drafted_tokens if total.drafted_tokens else 0.0
-        total.mean_accepted_length = total.output_tokens / total.target_forward_passes if total.target_forward_passes else 0.0
-        total.ttft_ms = ttft_sum / total.requests if total.requests else 0.0
-        total.tpot_ms = tpot_sum / total.requests if total.requests else 0.0
+        total.derive()
+        total.ttft_ms = ttft_sum / timed if (timed := self._timed_requests) else 0.0
+        total.tpot_ms = tpot_sum / timed if timed else 0.0
         return total
 
     def prometheus_text(self, prefix: str = "agentspec") -> str:

@@ -132,7 +132,7 @@ def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> L
         quiet = contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in kwargs else contextlib.nullcontext()
         with quiet:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, ValueError, KeyError/NotImplementedError for unsupported GGUFs
         hint = (
             "it is not in the local cache; download it once (e.g. `hf download " + str(ref) + "`) or pass a local folder"
             if kwargs.get("local_files_only")
@@ -142,7 +142,10 @@ def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> L
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    model.to(device).eval()
+    try:
+        model.to(device).eval()
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        raise ModelLoadError(f"Could not move the model to {device}: {exc}. Try device='cpu' or a smaller dtype.") from exc
     vocab_size = model.get_output_embeddings().weight.shape[0]
     window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     return LoadedModel(

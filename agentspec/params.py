@@ -17,6 +17,7 @@ from .types import SpecConfig
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
 
 MAX_STOP_STRINGS = 16
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32; 0 means greedy
 
 PARAM_NAMES = frozenset(
     {
@@ -55,6 +56,12 @@ class GenerationParams:
         return self.temperature == 0.0
 
 
+def _given(params: dict[str, Any], name: str, default: Any) -> Any:
+    """The parameter's value; None (as OpenAI-shaped callers send for "not set") means the default."""
+    value = params.get(name)
+    return default if value is None else value
+
+
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidRequestError(f"`{name}` must be a finite number, got {value!r}.")
@@ -91,6 +98,13 @@ def _spec(value: Any, default: SpecConfig) -> SpecConfig:
 
 
 def _reject_unsupported(params: dict[str, Any]) -> None:
+    tools, choice = params.get("tools"), params.get("tool_choice")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequestError(f"`tools` must be a list of OpenAI function tool dicts, got {type(tools).__name__}.")
+    if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
+        raise InvalidRequestError(
+            f"`tool_choice` must be 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}."
+        )
     if params.get("tools"):
         raise UnsupportedFeatureError(
             "`tools` needs the grammar engine, which this build does not include yet; "
@@ -119,24 +133,26 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
     if max_tokens is not None and _integer("max_tokens", max_tokens) < 1:
         raise InvalidRequestError(f"`max_tokens` must be at least 1, got {max_tokens}.")
 
-    temperature = _number("temperature", params.get("temperature", 0.0))
+    temperature = _number("temperature", _given(params, "temperature", 0.0))
     if temperature < 0:
         raise InvalidRequestError(f"`temperature` must be >= 0 (0 = greedy), got {temperature}.")
-    top_p = _number("top_p", params.get("top_p", 1.0))
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(f"`temperature` {temperature} is too small to sample with; use 0 for greedy decoding.")
+    top_p = _number("top_p", _given(params, "top_p", 1.0))
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequestError(f"`top_p` must be in (0, 1], got {top_p}; use 1 to disable it.")
-    top_k = _integer("top_k", params.get("top_k", 0))
+    top_k = _integer("top_k", _given(params, "top_k", 0))
     if top_k < 0:
         raise InvalidRequestError(f"`top_k` must be >= 0 (0 disables it), got {top_k}.")
-    min_p = _number("min_p", params.get("min_p", 0.0))
+    min_p = _number("min_p", _given(params, "min_p", 0.0))
     if not 0.0 <= min_p < 1.0:
         raise InvalidRequestError(f"`min_p` must be in [0, 1), got {min_p}; use 0 to disable it.")
-    penalty = _number("repetition_penalty", params.get("repetition_penalty", 1.0))
+    penalty = _number("repetition_penalty", _given(params, "repetition_penalty", 1.0))
     if penalty <= 0:
         raise InvalidRequestError(f"`repetition_penalty` must be > 0 (1 disables it), got {penalty}.")
     seed = params.get("seed")
-    if seed is not None:
-        _integer("seed", seed)
+    if seed is not None and not 0 <= _integer("seed", seed) < 2**64:
+        raise InvalidRequestError(f"`seed` must be in [0, 2**64), got {seed}.")
 
     return GenerationParams(
         max_tokens=max_tokens,

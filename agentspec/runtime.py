@@ -110,6 +110,8 @@ class Runtime:
         with self._cond:
             if self._stopping:
                 raise ClientClosedError("The client is closed; create a new agentspec.Client to send requests.")
+            if self.engine is None:
+                raise ClientClosedError("The client is not started; `await client.start()` first.")
             if len(self._incoming) + len(self._active) >= self.max_queued:
                 raise EngineOverloadedError(
                     f"{self.max_queued} requests are already queued or running; retry when some finish."
@@ -146,6 +148,21 @@ class Runtime:
     # -- worker side -------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the runtime itself: fail every request, refuse new ones
+            log.exception("the agentspec worker thread failed")
+            with self._cond:
+                self._stopping = True
+                pending, self._incoming = self._incoming + self._active, []
+                jobs, self._jobs = self._jobs, []
+            for handle in pending:
+                handle.channel.send(EngineError(f"The engine's worker thread failed ({exc!r}); create a new Client."))
+            for _, future in jobs:
+                future.cancel()
+            raise
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 admitted, self._incoming = self._incoming, []
@@ -165,7 +182,12 @@ class Runtime:
                     return
                 continue
             for handle in admitted:
-                self.engine.start(handle.seq)
+                try:
+                    self.engine.start(handle.seq)
+                except Exception as exc:
+                    log.exception("could not start a request")
+                    self._fail(handle, exc)
+                    continue
                 self._active.append(handle)
             if stopping:
                 for handle in list(self._active):
@@ -212,7 +234,8 @@ class Runtime:
         handle.channel.send(StepOutput("", [], seq.finish_reason))
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
-        handle.seq.finish_reason = "error"
+        handle.seq.finish_reason = "error"  # internal only: the stream raises EngineError instead
+        self.engine.finish_stats(handle.seq)
         error = EngineError(f"Decoding failed: {type(exc).__name__}: {exc}. Other requests are unaffected; retry this one.")
         error.__cause__ = exc
         self._release(handle)

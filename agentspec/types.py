@@ -82,6 +82,13 @@ class SpecStats(BaseModel):
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
 
+    def derive(self) -> "SpecStats":
+        """Recompute the ratios from the counters (after summing or finishing); returns self."""
+        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        self.target_forward_passes_saved = self.output_tokens - self.target_forward_passes
+        self.mean_accepted_length = self.output_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+        return self
+
 
 class TextDelta(BaseModel):
     """Verified text. ``text`` never ends inside a UTF-8 character and is never retracted."""

@@ -53,10 +53,11 @@ def verify_sampling(
         distribution = target_probs[k]  # bonus token
     else:
         # recovered token ~ norm(max(p - q, 0)); with one-hot q that is p without the draft token
-        q = draft_probs[accepted] if draft_probs is not None else torch.zeros_like(target_probs[accepted])
         if draft_probs is None:
-            q[draft_tokens[accepted]] = 1.0
-        residual = (target_probs[accepted] - q).clamp_min(0.0)
+            residual = target_probs[accepted].clone()
+            residual[draft_tokens[accepted]] = 0.0
+        else:
+            residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0.0)
         total = residual.sum()
         distribution = residual / total if total > 0 else target_probs[accepted]
     token = torch.multinomial(distribution, 1, generator=generator)

@@ -48,6 +48,11 @@ async def test_bad_messages(client, messages, needle):
         ({"stop": [1, 2]}, "stop"),
         ({"stop": ["x"] * 17}, "stop"),
         ({"seed": "abc"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"temperature": 1e-30}, "greedy"),
+        ({"tool_choice": "bogus"}, "tool_choice"),
+        ({"tools": "x"}, "tools"),
         ({"speculative": "yes"}, "speculative"),
         ({"temprature": 0.5}, "Unknown parameter"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -60,6 +65,12 @@ async def test_bad_params(client, params, needle):
     with pytest.raises(agentspec.InvalidRequestError, match=needle):
         client.stream(USER, **params)
     assert client.metrics().requests == before  # nothing ran
+
+
+async def test_none_means_default(client):
+    done = await client.generate(USER, max_tokens=3, temperature=None, top_p=None, top_k=None, min_p=None,
+                                 repetition_penalty=None, seed=None, stop=None, tools=None, tool_choice=None)
+    assert done.usage.completion_tokens >= 1
 
 
 async def test_prompt_longer_than_context_window(client):

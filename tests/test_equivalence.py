@@ -14,7 +14,7 @@ from agentspec.types import SpecConfig
 
 from .conftest import decode
 
-MAX_TOKENS = 24
+MAX_TOKENS = 32
 
 DOC = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "

@@ -75,3 +75,37 @@ async def test_failing_forward_ends_one_request_only(client, monkeypatch):
     again = await client.generate(PROMPT, max_tokens=7)  # the client keeps serving
     assert again.usage.completion_tokens == 7
     assert engine.active == 0
+
+
+async def test_failing_start_ends_one_request_and_the_worker_survives(client, monkeypatch):
+    engine = client._runtime.engine
+    real_start = engine.start
+
+    def start(seq):
+        if seq.params.max_tokens == 9:
+            raise MemoryError("simulated out of memory while allocating the cache")
+        real_start(seq)
+
+    monkeypatch.setattr(engine, "start", start)
+    with pytest.raises(agentspec.EngineError, match="out of memory"):
+        await client.generate(PROMPT, max_tokens=9)
+    done = await client.generate(PROMPT, max_tokens=4)
+    assert done.usage.completion_tokens == 4
+
+
+async def test_concurrent_starts_load_once_and_close_during_start_wins():
+    client = agentspec.Client()
+    await asyncio.gather(client.start(), client.start())
+    runtime = client._runtime
+    await client.start()
+    assert client._runtime is runtime
+    await client.aclose()
+
+    closing = agentspec.Client()
+    task = asyncio.create_task(closing.start())
+    await asyncio.sleep(0.05)
+    await closing.aclose()
+    with pytest.raises(agentspec.ClientClosedError):
+        await task
+    with pytest.raises(agentspec.ClientClosedError):
+        closing.stream(PROMPT)
