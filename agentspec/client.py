@@ -108,6 +108,16 @@ class Stream:
         self._events.clear()
 
 
+def _parse(response_model: Any, text: str) -> Any:
+    """The pydantic instance of a structured response; None if it was cut short (e.g. max_tokens)."""
+    if response_model is None:
+        return None
+    try:
+        return response_model.model_validate_json(text)
+    except ValueError:
+        return None
+
+
 def _check_draft(draft: Any) -> None:
     if draft is not None:
         raise UnsupportedFeatureError(
@@ -222,14 +232,17 @@ class Client:
                 "shorten the messages (drop old turns or trim documents)."
             )
         max_new = min(generation.max_tokens or room, room)
-        return Stream(runtime, Sequence(prompt_ids, generation, max_new_tokens=max_new))
+        grammar = loaded.grammars.compile(generation.schema) if generation.schema is not None else None
+        return Stream(runtime, Sequence(prompt_ids, generation, max_new_tokens=max_new, grammar=grammar))
 
     async def generate(self, messages: Any, **params: Any) -> Completion:
         """Run a request to completion and collect its events."""
         text: list[str] = []
         token_ids: list[int] = []
         tool_calls: list[ToolCall] = []
-        async with self.stream(messages, **params) as stream:
+        stream = self.stream(messages, **params)
+        response_model = stream._seq.params.response_model
+        async with stream:
             async for event in stream:
                 if isinstance(event, TextDelta):
                     text.append(event.text)
@@ -239,6 +252,7 @@ class Client:
                 elif isinstance(event, Done):
                     return Completion(
                         text="".join(text),
+                        parsed=_parse(response_model, "".join(text)),
                         tool_calls=tool_calls,
                         token_ids=token_ids,
                         finish_reason=event.finish_reason,

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from .budget import AcceptanceModel, CostModel, choose_draft_length
 from .drafting import NO_DRAFT, Draft, Drafter, NgramDrafter
+from .grammar import Grammar
 from .logits import LogitsPipeline
 from .model import LoadedModel
 from .params import GenerationParams
@@ -64,6 +65,7 @@ class Sequence:
     prompt_ids: list[int]
     params: GenerationParams
     max_new_tokens: int
+    grammar: Grammar | None = None  # structured output: every token is checked against it
     submitted_at: float = field(default_factory=time.perf_counter)
 
     tokens: list[int] = field(init=False)  # prompt + committed output (stop token included)
@@ -139,6 +141,8 @@ class Engine:
         draft_tokens = draft.tokens[: state.choose_length(draft)]
         if draft.tokens and not draft_tokens:
             stats.fallback_steps += 1  # speculation predicted to lose: a plain step
+        draft_tokens, masks = state.grammar_walk(draft_tokens)  # cut at the first token it rejects
+        forced = min(draft.forced, len(draft_tokens))
         stats.draft_ms += (time.perf_counter() - started) * 1e3
 
         # 2. Verify: one target pass; row i of the logits scores the token after draft[:i].
@@ -151,10 +155,11 @@ class Engine:
         logits = self._forward(inputs, state.cache, shape)[0, :positions]  # [K+1, V]
         draft_tensor = torch.tensor(draft_tokens, dtype=torch.long, device=self.device)
         if params.greedy:
-            accepted, token = verify_greedy(state.pipeline.greedy(logits, draft_tokens), draft_tensor)
+            accepted, token = verify_greedy(state.pipeline.greedy(logits, draft_tokens, masks), draft_tensor)
         else:
             draft_probs = draft.probs[: len(draft_tokens)] if draft.probs is not None else None
-            accepted, token = verify_sampling(state.pipeline.probs(logits, draft_tokens), draft_tensor, draft_probs, state.generator)
+            target_probs = state.pipeline.probs(logits, draft_tokens, masks)
+            accepted, token = verify_sampling(target_probs, draft_tensor, draft_probs, state.generator)
         self._sync()
         verify_ms = (time.perf_counter() - started) * 1e3
 
@@ -176,10 +181,15 @@ class Engine:
             kept = min(accepted, len(seq.tokens) - committed_before)  # a stop may cut the accepted run
             stats.drafted_tokens += len(draft_tokens)
             stats.accepted_tokens += kept
-            stats.accepted_by_source[draft.source] = stats.accepted_by_source.get(draft.source, 0) + kept
+            by_source = stats.accepted_by_source
+            if forced:
+                by_source["grammar"] = by_source.get("grammar", 0) + min(kept, forced)
+            if kept > forced:
+                by_source[draft.source] = by_source.get(draft.source, 0) + kept - forced
             stats.rollbacks += accepted < len(draft_tokens)
-            state.acceptance.observe(draft.source, draft.evidence, len(draft_tokens), accepted)
-        elif draft.tokens:  # free evidence: would the draft's first token have been accepted?
+            if len(draft_tokens) > forced and accepted >= forced:  # learn about the unforced part only
+                state.acceptance.observe(draft.source, draft.evidence, len(draft_tokens) - forced, accepted - forced)
+        elif draft.tokens and not draft.forced:  # free evidence: would the first token have been accepted?
             state.acceptance.observe(draft.source, draft.evidence, 1, int(draft.tokens[0] == token))
         if output.finish_reason is not None:
             self.finish_stats(seq)
@@ -236,29 +246,51 @@ class _SequenceState:
         self.drafter = engine.drafter_factory(params)
         if self.drafter is not None:
             self.drafter.reset(seq.prompt_ids)
+        self.grammar = seq.grammar
+        self.grammar_state = seq.grammar.initial_state if seq.grammar is not None else 0
 
     def draft(self) -> Draft:
-        """The drafter's proposal; a drafter that raises costs this step its speculation, nothing more."""
+        """Grammar-forced tokens first, then the drafter's continuation after them.
+
+        A drafter that raises costs this step its own tokens, nothing more.
+        """
         seq = self.seq
         room = seq.max_new_tokens - seq.generated - 1  # leave room for the recovered/bonus token
-        k = min(seq.params.spec.max_draft_tokens, room)
-        if self.drafter is None or k <= 0:
+        k = min(seq.params.spec.max_draft_tokens, room) if seq.params.spec.enabled else 0
+        if k <= 0:
             return NO_DRAFT
+        forced = self.grammar.forced(self.grammar_state)[:k] if self.grammar is not None else []
+        if self.drafter is None or len(forced) >= k:
+            return Draft(forced, "grammar", forced=len(forced)) if forced else NO_DRAFT
         try:
-            draft = self.drafter.propose(k)
-            return Draft(draft.tokens[:k], draft.source, draft.probs, draft.evidence)
+            rest = self.drafter.propose(k - len(forced), after=forced) if forced else self.drafter.propose(k)
         except Exception:
-            log.exception("drafter %s failed; decoding this step plainly", type(self.drafter).__name__)
+            log.exception("drafter %s failed; no draft from it this step", type(self.drafter).__name__)
             seq.stats.fallback_steps += 1
-            return NO_DRAFT
+            rest = NO_DRAFT
+        tokens = forced + rest.tokens[: k - len(forced)]
+        source = rest.source if rest.tokens else "grammar"
+        return Draft(tokens, source, rest.probs, rest.evidence, forced=len(forced))
 
     def choose_length(self, draft: Draft) -> int:
-        if not draft.tokens:
-            return 0
-        if not self.seq.params.spec.adaptive:
+        """All grammar-forced tokens (they always verify), then what pays off of the rest."""
+        free = len(draft.tokens) - draft.forced
+        if free <= 0 or not self.seq.params.spec.adaptive:
             return len(draft.tokens)
         acceptance = self.acceptance.rate(draft.source, draft.evidence)
-        return choose_draft_length(len(draft.tokens), acceptance.first, self.engine.costs, acceptance.rest)
+        return draft.forced + choose_draft_length(free, acceptance.first, self.engine.costs, acceptance.rest)
+
+    def grammar_walk(self, draft: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The draft up to the first token the grammar rejects, and the mask at each position: [P, V]."""
+        if self.grammar is None:
+            return draft, None
+        states = [self.grammar_state]
+        for token in draft:
+            following = self.grammar.advance(states[-1], token)
+            if following is None:
+                break
+            states.append(following)
+        return draft[: len(states) - 1], torch.stack([self.grammar.mask(s) for s in states])
 
     def commit(self, new_tokens: list[int]) -> StepOutput:
         """Append verified tokens one at a time, stopping exactly where plain decoding would."""
@@ -281,6 +313,11 @@ class _SequenceState:
             if hit:
                 finish = "stop"
                 break
+            if self.grammar is not None:
+                self.grammar_state = self.grammar.index.get_next_state(self.grammar_state, token)
+                if self.grammar.is_complete(self.grammar_state):
+                    finish = "stop"  # the structured output is complete
+                    break
             if seq.generated >= seq.max_new_tokens:
                 finish = "length"
                 break

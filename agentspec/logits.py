@@ -3,7 +3,8 @@
 For P verified positions the target returns logits ``[P, V]``. Row ``i`` scores the token after
 ``committed + draft[:i]``, so every history-dependent step (the repetition penalty) must see exactly
 that prefix. Order, as in transformers' ``generate``: repetition penalty → temperature → top-k →
-top-p → min-p. Greedy decoding is the argmax after the penalty (the later steps keep the argmax).
+top-p → min-p, with the grammar mask (structured output) applied right after the penalty. Greedy
+decoding is the argmax after penalty and mask (the later steps keep the argmax).
 
 Shape letters: P positions, V vocabulary.
 """
@@ -43,14 +44,19 @@ class LogitsPipeline:
         penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
         return torch.where(seen, penalized, logits)
 
-    def greedy(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:
-        """[P, V] logits → [P] greedy tokens."""
-        return self._penalize(logits.float(), draft).argmax(dim=-1)
+    def _constrain(self, logits: torch.Tensor, draft: Sequence[int], masks: torch.Tensor | None) -> torch.Tensor:
+        # masks: [P, V] bool, the grammar's allowed tokens at each position (None: unconstrained)
+        logits = self._penalize(logits.float(), draft)
+        return logits if masks is None else logits.masked_fill(~masks, float("-inf"))
 
-    def probs(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, draft: Sequence[int], masks: torch.Tensor | None = None) -> torch.Tensor:
+        """[P, V] logits → [P] greedy tokens."""
+        return self._constrain(logits, draft, masks).argmax(dim=-1)
+
+    def probs(self, logits: torch.Tensor, draft: Sequence[int], masks: torch.Tensor | None = None) -> torch.Tensor:
         """[P, V] logits → [P, V] sampling distributions (filtered, renormalised)."""
         p = self.params
-        logits = self._penalize(logits.float(), draft) / p.temperature
+        logits = self._constrain(logits, draft, masks) / p.temperature
         if 0 < p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -7,6 +7,7 @@ shared: every ``Client`` asking for the same (model, device, dtype) gets the sam
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import threading
@@ -18,6 +19,7 @@ import torch
 
 from .chat import ChatFormat
 from .errors import ModelLoadError
+from .grammar import GrammarCompiler
 from .text import token_bytes_table
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "default_model_path"]
@@ -47,6 +49,11 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         return len(self.token_bytes)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output grammars over this model's vocabulary (built on first use, cached)."""
+        return GrammarCompiler(self.token_bytes, self.tokenizer, self.stop_token_ids, self.device)
 
 
 def default_model_path() -> Path:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequestError, UnsupportedFeatureError
+from .grammar import schema_from_response_format
 from .types import SpecConfig
 
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
@@ -50,6 +51,8 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     spec: SpecConfig = SpecConfig()
+    schema: dict[str, Any] | None = None  # structured output: the JSON schema the text must follow
+    response_model: Any = None  # the pydantic class when response_format was one (Completion.parsed)
 
     @property
     def greedy(self) -> bool:
@@ -112,11 +115,6 @@ def _reject_unsupported(params: dict[str, Any]) -> None:
         )
     if params.get("tool_choice") not in (None, "none", "auto"):
         raise UnsupportedFeatureError("`tool_choice` other than 'none'/'auto' needs `tools`, which this build does not serve yet.")
-    if params.get("response_format") not in (None, {"type": "text"}):
-        raise UnsupportedFeatureError(
-            "`response_format` needs the grammar engine, which this build does not include yet; "
-            "omit it or pass {'type': 'text'}."
-        )
 
 
 def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> GenerationParams:
@@ -154,6 +152,8 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
     if seed is not None and not 0 <= _integer("seed", seed) < 2**64:
         raise InvalidRequestError(f"`seed` must be in [0, 2**64), got {seed}.")
 
+    structured = schema_from_response_format(params.get("response_format"))
+    schema, response_model = structured if structured is not None else (None, None)
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -164,4 +164,6 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
         stop=_stop(params.get("stop")),
         seed=seed,
         spec=_spec(params.get("speculative"), default_spec),
+        schema=schema,
+        response_model=response_model,
     )

@@ -33,7 +33,9 @@ class SpecConfig(BaseModel):
     longer match picks the right place to copy from), and a draft length chosen per step from
     measured acceptance and measured verification cost (``adaptive``). With ``adaptive=False``
     every available draft is verified at its full length (up to ``max_draft_tokens``); tests use it
-    to pin K.
+    to pin K. Seeded sampling is reproducible with a pinned K (or ``enabled=False``); with adaptive K
+    the draft lengths follow measured timings, so one seed may give different, equally distributed,
+    samples. Greedy output never depends on K.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -32,9 +32,9 @@ async def client(loaded: LoadedModel):
         yield client
 
 
-def decode(engine: Engine, prompt_ids: list[int], params: GenerationParams, max_new_tokens: int | None = None) -> tuple[Sequence, list[str]]:
+def decode(engine: Engine, prompt_ids: list[int], params: GenerationParams, max_new_tokens: int | None = None, grammar=None) -> tuple[Sequence, list[str]]:
     """Run one sequence to the end on the calling thread; returns it and the text pieces emitted."""
-    seq = Sequence(list(prompt_ids), params, max_new_tokens=max_new_tokens or params.max_tokens or 32)
+    seq = Sequence(list(prompt_ids), params, max_new_tokens=max_new_tokens or params.max_tokens or 32, grammar=grammar)
     engine.start(seq)
     pieces: list[str] = []
     try:

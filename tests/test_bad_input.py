@@ -56,7 +56,6 @@ async def test_bad_messages(client, messages, needle):
         ({"speculative": "yes"}, "speculative"),
         ({"temprature": 0.5}, "Unknown parameter"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
 )

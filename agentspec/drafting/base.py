@@ -18,12 +18,14 @@ class Draft:
     probs: [len(tokens), V] the drafter's distributions, None for deterministic (one-hot) drafts;
     evidence: how strong the proposal is on the drafter's own scale (n-gram: the matched length).
       The engine keeps acceptance statistics per (source, evidence) to decide how much to verify.
+    forced: how many leading tokens the grammar forces (source "grammar"; they always verify).
     """
 
     tokens: list[int]
     source: str
     probs: torch.Tensor | None = None
     evidence: int = 0
+    forced: int = 0
 
 
 NO_DRAFT = Draft(tokens=[], source="none")
@@ -38,8 +40,9 @@ class Drafter(Protocol):
     def reset(self, prompt: Sequence[int]) -> None:
         """Start over from the prompt's token ids."""
 
-    def propose(self, k: int) -> Draft:
-        """Up to ``k`` tokens that may follow everything observed so far."""
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        """Up to ``k`` tokens that may follow everything observed so far, then ``after`` (tokens
+        another source, the grammar, already drafted ahead in this step)."""
 
     def observe(self, committed: Sequence[int]) -> None:
         """Tokens committed since the last call (verified; never rolled back)."""

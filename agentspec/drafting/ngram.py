@@ -56,12 +56,15 @@ class NgramIndex:
                 if end - n >= 0:
                     self._after[n][tuple(self.tokens[end - n : end])] = end
 
-    def propose(self, k: int) -> tuple[list[int], int]:
+    def propose(self, k: int, pending: Sequence[int] = ()) -> tuple[list[int], int]:
+        """``propose_ngram(tokens + pending, k)``, continuing from occurrences in ``tokens`` only
+        (``pending``: tokens already drafted by another source this step)."""
         if k <= 0:
             return [], 0
-        length = len(self.tokens)
+        text = self.tokens + list(pending) if pending else self.tokens
+        length = len(text)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self._after[n].get(tuple(self.tokens[length - n :]))
+            start = self._after[n].get(tuple(text[length - n :]))
             if start is not None:
                 return self.tokens[start : start + k], n
         return [], 0
@@ -80,8 +83,8 @@ class NgramDrafter:
         self.index = NgramIndex(min_n=self.min_n, max_n=self.max_n)
         self.index.extend(prompt)
 
-    def propose(self, k: int) -> Draft:
-        tokens, n = self.index.propose(k)
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        tokens, n = self.index.propose(k, after)
         return Draft(tokens=tokens, source=self.source, evidence=n)
 
     def observe(self, committed: Sequence[int]) -> None:

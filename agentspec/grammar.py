@@ -1,0 +1,180 @@
+"""Structured output: JSON-schema grammars on outlines_core's token-level index, with canonical forcing.
+
+Measured facts that shape this module (DESIGN §3):
+- Grammars rarely force a single *token*, but often force *text* (``{"name":"``). Where the grammar
+  forces text, the mask admits only the first token of that text's canonical tokenization (the
+  tokenizer's own ``encode``): **canonical forcing**. Plain and speculative decoding use the same
+  mask, so output never depends on speculation, and the forced tokens are drafts that always verify.
+- The forced text's last token is left free (a short look-back) unless nothing free follows it, so a
+  forced token never swallows the start of free text (a closing quote merged with what follows).
+- Compact JSON (no free whitespace): whitespace is where small models loop.
+- The vocabulary is built from token *bytes*, without special tokens.
+
+A ``Grammar`` is immutable and shared; a request's grammar position is just an ``int`` state, so
+rolling back a rejected draft is keeping the state of the committed tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+
+__all__ = ["Grammar", "GrammarCompiler", "schema_from_response_format"]
+
+MAX_FORCED_BYTES = 256  # longest forced text followed ahead of the model
+WHITESPACE = ""  # compact JSON: no optional whitespace anywhere
+
+
+def schema_from_response_format(response_format: Any) -> tuple[dict[str, Any], Any] | None:
+    """OpenAI ``response_format`` → (JSON schema, pydantic model class or None); None for plain text."""
+    if response_format is None:
+        return None
+    if isinstance(response_format, type) and hasattr(response_format, "model_json_schema"):
+        return response_format.model_json_schema(), response_format
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise InvalidRequestError(
+            "`response_format` must be a pydantic model class, {'type': 'json_schema', 'json_schema': "
+            "{'name': ..., 'schema': {...}}}, {'type': 'json_object'} or {'type': 'text'}."
+        )
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("`response_format.json_schema.schema` must be a JSON schema object (a dict).")
+        return schema, None
+    raise InvalidRequestError(f"Unknown `response_format` type {kind!r}; use 'text', 'json_object' or 'json_schema'.")
+
+
+@dataclass(eq=False)
+class Grammar:
+    """A compiled schema over one vocabulary. Thread-safe: per-state caches fill under a lock."""
+
+    schema: dict[str, Any]
+    index: Any  # outlines_core.Index
+    compiler: "GrammarCompiler" = field(repr=False)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _forced: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def initial_state(self) -> int:
+        return self.index.get_initial_state()
+
+    def is_final(self, state: int) -> bool:
+        return self.index.is_final_state(state)
+
+    def is_complete(self, state: int) -> bool:
+        """Final and nothing but an end token may follow: the output is finished."""
+        stops = self.compiler.stop_token_ids
+        return self.is_final(state) and all(t in stops for t in self.index.get_allowed_tokens(state))
+
+    def advance(self, state: int, token: int) -> int | None:
+        """The state after ``token``, or None if the grammar rejects it there."""
+        if not bool(self.mask(state)[token]) or token in self.compiler.stop_token_ids:
+            return None
+        return self.index.get_next_state(state, token)
+
+    def forced(self, state: int) -> list[int]:
+        """Canonical tokens of the text the grammar forces from ``state`` (look-back applied)."""
+        with self._lock:
+            if state not in self._forced:
+                self._forced[state] = self._compute_forced(state)
+            return self._forced[state]
+
+    def mask(self, state: int) -> torch.Tensor:
+        """[V] bool: tokens allowed at ``state`` under canonical forcing (stop tokens where final)."""
+        with self._lock:
+            cached = self._masks.get(state)
+        if cached is not None:
+            return cached
+        forced = self.forced(state)
+        compiler = self.compiler
+        mask = torch.zeros(compiler.vocab_size, dtype=torch.bool)
+        if forced:
+            mask[forced[0]] = True
+        else:
+            allowed = self.index.get_allowed_tokens(state)
+            mask[torch.as_tensor([t for t in allowed if t not in compiler.stop_token_ids], dtype=torch.long)] = True
+            if self.is_final(state):
+                mask[list(compiler.stop_token_ids)] = True
+        mask = mask.to(compiler.device)
+        with self._lock:
+            self._masks[state] = mask
+        return mask
+
+    def _compute_forced(self, state: int) -> list[int]:
+        compiler = self.compiler
+        text = bytearray()
+        current = state
+        while len(text) < MAX_FORCED_BYTES and not self.is_final(current):
+            allowed = np.asarray(self.index.get_allowed_tokens(current), dtype=np.int64)
+            first_bytes = np.unique(compiler.first_byte[allowed]) if allowed.size else allowed
+            byte = int(first_bytes[0]) if first_bytes.size == 1 else -1
+            token = compiler.byte_token.get(byte)
+            if token is None:  # a free choice here (or a byte with no single-byte token)
+                break
+            text.append(byte)
+            current = self.index.get_next_state(current, token)
+        if not text:
+            return []
+        tokens = compiler.encode(bytes(text))
+        if not self.is_complete(current):
+            tokens = tokens[:-1]  # look-back: the last forced token may merge with the free text after it
+        return tokens
+
+
+class GrammarCompiler:
+    """Builds and caches grammars for one tokenizer (outlines_core ``Vocabulary`` from token bytes)."""
+
+    def __init__(self, token_bytes: list[bytes], tokenizer: Any, stop_token_ids: frozenset[int], device: torch.device) -> None:
+        from outlines_core import Vocabulary
+
+        self.vocab_size = len(token_bytes)
+        self.stop_token_ids = stop_token_ids
+        self.device = device
+        self.tokenizer = tokenizer
+        by_bytes: dict[bytes, list[int]] = {}
+        for token_id, piece in enumerate(token_bytes):
+            if piece:  # special tokens have no bytes: never allowed inside JSON
+                by_bytes.setdefault(piece, []).append(token_id)
+        self.vocabulary = Vocabulary(min(stop_token_ids), by_bytes)
+        self.first_byte = np.array([piece[0] if piece else -1 for piece in token_bytes], dtype=np.int64)
+        self.byte_token = {piece[0]: ids[0] for piece, ids in by_bytes.items() if len(piece) == 1}
+        self._cache: dict[str, Grammar] = {}
+        self._lock = threading.Lock()
+
+    def encode(self, text: bytes) -> list[int]:
+        return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
+
+    def compile(self, schema: dict[str, Any]) -> Grammar:
+        """The grammar of ``schema`` (cached). Raises InvalidRequestError naming what is unsupported."""
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        try:
+            key = json.dumps(schema)  # property order matters: it is the order fields are generated in
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"The JSON schema is not JSON-serialisable: {exc}.") from None
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            regex = build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
+            index = Index(regex, self.vocabulary)
+        except Exception as exc:  # outlines_core names the unsupported keyword or structure
+            raise InvalidRequestError(f"Unsupported or invalid JSON schema: {exc}".strip()) from None
+        grammar = Grammar(schema=schema, index=index, compiler=self)
+        with self._lock:
+            return self._cache.setdefault(key, grammar)
