@@ -26,7 +26,8 @@ from .metrics import MetricsAggregator
 from .model import LoadedModel, load_model
 from .params import parse_params
 from .runtime import Channel, RequestHandle, Runtime
-from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, Usage
+from .tools import ToolCallParser, with_tool_prompt
+from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
 __all__ = ["Client", "Stream"]
 
@@ -48,6 +49,7 @@ class Stream:
         self._handle: RequestHandle | None = None
         self._events: deque[Any] = deque()
         self._state = _State.NEW
+        self._call = ToolCallParser() if seq.params.tool_call else None
 
     def _submit(self) -> RequestHandle:
         channel = Channel(asyncio.get_running_loop())
@@ -88,15 +90,22 @@ class Stream:
             self._events.extend(self._to_events(item))
         return self._events.popleft()
 
-    def _to_events(self, output: StepOutput) -> list[TextDelta | Done]:
-        events: list[TextDelta | Done] = []
-        if output.text or output.token_ids:
+    def _to_events(self, output: StepOutput) -> list[TextDelta | ToolCallDelta | ToolCall | Done]:
+        events: list[TextDelta | ToolCallDelta | ToolCall | Done] = []
+        if self._call is not None:
+            events.extend(self._call.feed(output.text))
+        elif output.text or output.token_ids:
             events.append(TextDelta(text=output.text, token_ids=output.token_ids))
-        if output.finish_reason is not None:
+        finish = output.finish_reason
+        if finish is not None:
+            if self._call is not None and finish == "stop":  # the call's grammar is complete
+                deltas, call = self._call.finish()
+                events.extend([*deltas, call])
+                finish = "tool_calls"
             seq = self._seq  # the worker has released it: reading is safe
             prompt, completion = len(seq.prompt_ids), seq.generated
             usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-            events.append(Done(finish_reason=output.finish_reason, usage=usage, stats=seq.stats.model_copy(deep=True)))
+            events.append(Done(finish_reason=finish, usage=usage, stats=seq.stats.model_copy(deep=True)))
             self._state = _State.CLOSED
         return events
 
@@ -224,6 +233,8 @@ class Client:
         runtime = self._require_running()
         generation = parse_params(params, default_spec=self.spec)
         loaded = self.loaded
+        if generation.tools:
+            messages = with_tool_prompt(messages, list(generation.tools))
         prompt_ids = loaded.chat.encode(messages)
         room = loaded.context_window - len(prompt_ids)
         if room < 1:
@@ -238,7 +249,6 @@ class Client:
     async def generate(self, messages: Any, **params: Any) -> Completion:
         """Run a request to completion and collect its events."""
         text: list[str] = []
-        token_ids: list[int] = []
         tool_calls: list[ToolCall] = []
         stream = self.stream(messages, **params)
         response_model = stream._seq.params.response_model
@@ -246,7 +256,6 @@ class Client:
             async for event in stream:
                 if isinstance(event, TextDelta):
                     text.append(event.text)
-                    token_ids.extend(event.token_ids)
                 elif isinstance(event, ToolCall):
                     tool_calls.append(event)
                 elif isinstance(event, Done):
@@ -254,7 +263,7 @@ class Client:
                         text="".join(text),
                         parsed=_parse(response_model, "".join(text)),
                         tool_calls=tool_calls,
-                        token_ids=token_ids,
+                        token_ids=list(stream._seq.output_ids),
                         finish_reason=event.finish_reason,
                         usage=event.usage,
                         stats=event.stats,

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequestError, UnsupportedFeatureError
+from .errors import InvalidRequestError
 from .grammar import schema_from_response_format
+from .tools import ToolSpec, call_schema, parse_tools
 from .types import SpecConfig
 
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
@@ -53,6 +54,8 @@ class GenerationParams:
     spec: SpecConfig = SpecConfig()
     schema: dict[str, Any] | None = None  # structured output: the JSON schema the text must follow
     response_model: Any = None  # the pydantic class when response_format was one (Completion.parsed)
+    tools: tuple[ToolSpec, ...] = ()  # described to the model in the prompt
+    tool_call: bool = False  # the output is one forced tool call (its grammar is `schema`)
 
     @property
     def greedy(self) -> bool:
@@ -100,7 +103,8 @@ def _spec(value: Any, default: SpecConfig) -> SpecConfig:
     raise InvalidRequestError(f"`speculative` must be a bool or an agentspec.SpecConfig, got {value!r}.")
 
 
-def _reject_unsupported(params: dict[str, Any]) -> None:
+def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], bool, dict[str, Any] | None, Any]:
+    """(tools, whether a call is forced, the grammar's schema, the pydantic response model)."""
     tools, choice = params.get("tools"), params.get("tool_choice")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequestError(f"`tools` must be a list of OpenAI function tool dicts, got {type(tools).__name__}.")
@@ -108,13 +112,14 @@ def _reject_unsupported(params: dict[str, Any]) -> None:
         raise InvalidRequestError(
             f"`tool_choice` must be 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}."
         )
-    if params.get("tools"):
-        raise UnsupportedFeatureError(
-            "`tools` needs the grammar engine, which this build does not include yet; "
-            "call without `tools` (or describe the tools in the prompt)."
-        )
-    if params.get("tool_choice") not in (None, "none", "auto"):
-        raise UnsupportedFeatureError("`tool_choice` other than 'none'/'auto' needs `tools`, which this build does not serve yet.")
+    specs, forced_name = parse_tools(tools, choice)
+    structured = schema_from_response_format(params.get("response_format"))
+    if forced_name is not None:
+        if structured is not None:
+            raise InvalidRequestError("A forced tool call and `response_format` exclude each other; pass one of them.")
+        return tuple(specs), True, call_schema(specs, forced_name), None
+    schema, model = structured if structured is not None else (None, None)
+    return tuple(specs), False, schema, model
 
 
 def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> GenerationParams:
@@ -125,7 +130,7 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
             f"Unknown parameter(s) {', '.join(map(repr, unknown))}; "
             f"valid parameters are: {', '.join(sorted(PARAM_NAMES))}."
         )
-    _reject_unsupported(params)
+    tools, tool_call, schema, response_model = _structure(params)
 
     max_tokens = params.get("max_tokens")
     if max_tokens is not None and _integer("max_tokens", max_tokens) < 1:
@@ -152,8 +157,6 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
     if seed is not None and not 0 <= _integer("seed", seed) < 2**64:
         raise InvalidRequestError(f"`seed` must be in [0, 2**64), got {seed}.")
 
-    structured = schema_from_response_format(params.get("response_format"))
-    schema, response_model = structured if structured is not None else (None, None)
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -166,4 +169,6 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
         spec=_spec(params.get("speculative"), default_spec),
         schema=schema,
         response_model=response_model,
+        tools=tools,
+        tool_call=tool_call,
     )

@@ -51,6 +51,47 @@ class Workload:
     messages: list[dict[str, Any]] = field(hash=False)
     max_tokens: int = 128
     description: str = ""
+    params: dict[str, Any] = field(default_factory=dict, hash=False)  # e.g. tools, response_format
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.params)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+EMAIL_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "send_email",
+        "description": "Send an e-mail",
+        "parameters": {
+            "type": "object",
+            "properties": {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
+            "required": ["to", "subject", "body"],
+        },
+    },
+}
+CONTACT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "email": {"type": "string"},
+        "company": {"type": "string"},
+        "role": {"type": "string"},
+    },
+    "required": ["name", "email", "company", "role"],
+}
 
 
 WORKLOADS: tuple[Workload, ...] = (
@@ -77,6 +118,20 @@ WORKLOADS: tuple[Workload, ...] = (
             }
         ],
         description="code edit that repeats most of the code",
+    ),
+    Workload(
+        "tool_call",
+        [{"role": "user", "content": "Send an e-mail to maria.garcia@example.com with the subject 'Harbor 4.2 upgrade' "
+          "telling her the upgrade to Harbor 4.2 is scheduled for Friday."}],
+        description="a forced tool call (two tools, tool_choice='required')",
+        params={"tools": [WEATHER_TOOL, EMAIL_TOOL], "tool_choice": "required"},
+    ),
+    Workload(
+        "extraction",
+        [{"role": "user", "content": "From this signature, extract the contact:\n\nMaria Garcia\nHead of Platform Engineering\n"
+          "Northwind Traders\nmaria.garcia@northwind.example.com"}],
+        description="JSON extraction with a response_format schema",
+        params={"response_format": {"type": "json_schema", "json_schema": {"name": "contact", "schema": CONTACT_SCHEMA}}},
     ),
     Workload(
         "open_chat",

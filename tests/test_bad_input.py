@@ -55,8 +55,8 @@ async def test_bad_messages(client, messages, needle):
         ({"tools": "x"}, "tools"),
         ({"speculative": "yes"}, "speculative"),
         ({"temprature": 0.5}, "Unknown parameter"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "auto"),
+        ({"tool_choice": "required"}, "needs `tools`"),
     ],
 )
 async def test_bad_params(client, params, needle):

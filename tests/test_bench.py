@@ -34,3 +34,12 @@ def test_oracle_bound():
     fresh = ngram_oracle_speedup(prompt, list(range(500, 532)), flat_costs(), spec)
     assert fresh == 1.0  # nothing repeats: every step is a plain one
     assert copied > 3.0  # a verbatim copy: long drafts, all accepted
+
+
+async def test_constrained_workloads_run_only_on_agentspec(client):
+    rows = await run_bench(client, [workload("tool_call"), workload("extraction")], SYSTEMS, max_tokens=12)
+    assert [(r.workload, r.system) for r in rows] == [
+        (name, system) for name in ("tool_call", "extraction") for system in ("agentspec_plain", "agentspec")
+    ]
+    assert all(r.identical_to_plain and r.tokens == 12 for r in rows)
+    assert "tool_call" in format_table(rows)
