@@ -8,19 +8,8 @@ import jsonschema
 import pytest
 
 import agentspec
+from agentspec.workloads import WEATHER_TOOL as WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
 EMAIL = {
     "type": "function",
     "function": {
