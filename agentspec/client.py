@@ -72,7 +72,7 @@ class Stream:
     def __aiter__(self) -> "Stream":
         return self
 
-    async def __anext__(self) -> TextDelta | ToolCall | Done:
+    async def __anext__(self) -> TextDelta | ToolCallDelta | ToolCall | Done:
         if self._state is _State.NEW:
             self._submit()
         while not self._events:
