@@ -1,0 +1,289 @@
+"""Model drafting: a small causal LM (or the target's own first layers) guesses the next tokens.
+
+A draft model sharing the target's tokenizer runs autoregressively on its own KV cache and proposes
+k tokens. Under sampling it draws them from its *processed* distribution (the same temperature,
+top-k, top-p, min-p and penalty as the target's) and returns those distributions as ``probs``, so
+rejection sampling keeps exactly the target's law and accepts ``sum min(p, q)`` of the time.
+
+Its cache holds committed tokens only once a step is over: the tokens it fed speculatively (the
+grammar's ``after`` tokens and its own draft) stay until ``observe`` says what was committed, and
+the cache is cropped to the part of them that was (accepted drafts are not recomputed).
+
+``EarlyExitModel`` is a draft model made of the target's first N decoder layers, its final norm and
+its LM head: no extra weights, no extra download (self-speculation, as in LayerSkip / Draft&Verify).
+
+Shape letters: V vocabulary (the target's), D the draft model's output rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import ModelLoadError
+from ..logits import LogitsPipeline
+from ..params import GenerationParams
+from .base import Draft
+
+__all__ = [
+    "EarlyExitModel",
+    "ModelDrafter",
+    "check_vocab_compatible",
+    "early_exit_drafter",
+]
+
+CONFIDENCE_BUCKETS = 4  # evidence 1..4: the draft's own probability of its first token, in quarters
+
+
+class ModelDrafter:
+    """Drafts with a causal LM that shares the target's tokenizer (``source="model"``).
+
+    model: called as ``model(input_ids=, cache=, use_cache=True, logits_to_keep=)`` → ``.logits``
+      [1, P, D] (a transformers causal LM, or an :class:`EarlyExitModel`);
+    vocab_size: the target's V; draft logits are cut or padded (-inf) to it, so a draft whose
+      embedding matrix is padded differently still lines up id for id;
+    max_tokens: most tokens drafted per step (each costs one draft forward);
+    min_confidence: stop drafting once the draft's probability of its own token falls below this
+      (after the first token). Where the draft stops depends only on its own tokens, so sampling
+      stays exact.
+    """
+
+    source = "model"
+
+    def __init__(
+        self,
+        model: Any,
+        params: GenerationParams,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        max_tokens: int = 8,
+        min_confidence: float = 0.3,
+    ) -> None:
+        self.model, self.params, self.vocab_size, self.device = (
+            model,
+            params,
+            vocab_size,
+            device,
+        )
+        self.max_tokens, self.min_confidence = max_tokens, min_confidence
+        self.generator: torch.Generator | None = None
+        if not params.greedy:  # its own randomness, independent of the verifier's
+            self.generator = torch.Generator(device=device)
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed ^ 0x5EED_D4AF)
+        self.reset(())
+
+    # -- the Drafter protocol -----------------------------------------------------------------------
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Forget everything; the prompt is fed on the first ``propose`` (lazy prefill)."""
+        self.cache = DynamicCache()
+        self.tokens: list[int] = list(prompt)  # committed: prompt + output observed so far
+        self.cached: list[int] = []  # the tokens whose keys/values are in `cache`, in order
+        self.pipeline = LogitsPipeline(self.params, self.vocab_size, self.device)
+        self.pipeline.observe(self.tokens)
+
+    @torch.inference_mode()
+    def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
+        k = min(k, self.max_tokens)
+        if k <= 0:
+            return Draft([], self.source)
+        context = self.tokens + list(after)
+        if not context:
+            return Draft([], self.source)
+        # Keep the cached prefix of the context, but feed at least its last token (for its logits).
+        self._crop(min(_common_prefix(self.cached, context), len(context) - 1))
+        logits = self._feed(context[len(self.cached) :])  # [D] scores of the token after `context`
+        extra = list(after)  # tokens after the committed ones, for the penalty
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        evidence = 0
+        for i in range(k):
+            token, probs, confidence = self._choose(logits, extra)
+            if i == 0:
+                evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
+            elif confidence < self.min_confidence:
+                break
+            tokens.append(token)
+            extra.append(token)
+            if probs is not None:
+                rows.append(probs)
+            if i + 1 < k:
+                logits = self._feed([token])
+        probs = torch.stack(rows) if rows else None  # [k, V] under sampling
+        return Draft(tokens, self.source, probs, evidence=evidence)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Keep the speculative keys/values that were committed, drop the rest."""
+        self.tokens.extend(committed)
+        self.pipeline.observe(committed)
+        self._crop(_common_prefix(self.cached, self.tokens))
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    @property
+    def cached_length(self) -> int:
+        """Positions in the draft's KV cache (the invariant: all of them are committed tokens)."""
+        return self.cache.get_seq_length()
+
+    def _crop(self, length: int) -> None:
+        if len(self.cached) > length:
+            self.cache.crop(length - len(self.cached))  # a negative count removes that many
+            del self.cached[length:]
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run the draft over ``tokens`` (appending them to its cache); the last position's logits [V]."""
+        inputs = torch.tensor([tokens], device=self.device)
+        logits = self.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        self.cached.extend(tokens)
+        return _fit_vocab(logits.float(), self.vocab_size)
+
+    def _choose(self, logits: torch.Tensor, extra: list[int]) -> tuple[int, torch.Tensor | None, float]:
+        """The draft token after committed + ``extra``, its processed distribution [V] (sampling
+        only), and the draft's probability of it."""
+        # The pipeline's row i sees committed + extra[:i]; only the last row (all of extra) is used.
+        rows = logits.expand(len(extra) + 1, -1) if self.params.repetition_penalty != 1.0 else logits[None]
+        prefix = extra if self.params.repetition_penalty != 1.0 else ()
+        if self.params.greedy:
+            token = int(self.pipeline.greedy(rows, prefix)[-1])
+            return token, None, float(logits.softmax(dim=-1)[token])
+        probs = self.pipeline.probs(rows, prefix)[-1]
+        token = int(torch.multinomial(probs, 1, generator=self.generator))
+        return token, probs, float(probs[token])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[D] draft logits → [V]: padding rows beyond the target's vocabulary dropped, missing ones -inf."""
+    if logits.shape[-1] >= vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+# -- compatibility ----------------------------------------------------------------------------------
+
+
+def check_vocab_compatible(target: Any, draft: Any) -> None:
+    """Raise ``ModelLoadError`` unless the draft tokenizes exactly like the target.
+
+    ``target``/``draft``: a ``LoadedModel`` or a tokenizer (anything with ``get_vocab()``). The
+    tokenizers must map the same strings to the same ids; embedding matrices padded to different
+    sizes are fine (``ModelDrafter`` cuts or pads the draft's logits to the target's vocabulary).
+    """
+    target_vocab = _vocab(target)
+    draft_vocab = _vocab(draft)
+    if target_vocab == draft_vocab:
+        return
+    target_ids = {i: t for t, i in target_vocab.items()}
+    draft_ids = {i: t for t, i in draft_vocab.items()}
+    for i in range(max(len(target_ids), len(draft_ids)) + 1):
+        if target_ids.get(i) != draft_ids.get(i):
+            raise ModelLoadError(
+                f"The draft model's tokenizer differs from the target's: token id {i} is "
+                f"{target_ids.get(i)!r} in the target but {draft_ids.get(i)!r} in the draft "
+                f"({len(target_vocab)} vs {len(draft_vocab)} tokens). Use a draft model of the same family "
+                "(same tokenizer), or draft='early-exit:N'."
+            )
+    raise ModelLoadError("The draft model's tokenizer differs from the target's; use a draft of the same family.")
+
+
+def _vocab(model_or_tokenizer: Any) -> dict[str, int]:
+    tokenizer = getattr(model_or_tokenizer, "tokenizer", model_or_tokenizer)
+    return dict(tokenizer.get_vocab())
+
+
+# -- early exit -------------------------------------------------------------------------------------
+
+
+class EarlyExitModel:
+    """The target's first ``n_layers`` decoder layers + final norm + LM head, as a draft model.
+
+    Holds references to the target's modules, never copies: drafting costs no memory but a KV
+    cache for N layers. Works for Llama-shaped models (``model.model.{embed_tokens, layers, norm,
+    rotary_emb}`` and an output embedding), which covers Llama, SmolLM, Mistral and Qwen2.
+    """
+
+    def __init__(self, causal_lm: Any, n_layers: int) -> None:
+        base = getattr(causal_lm, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, name) for name in needed):
+            raise ModelLoadError(
+                f"draft='early-exit:{n_layers}' needs a Llama-shaped model (model.model.layers, norm, rotary_emb); "
+                f"{type(causal_lm).__name__} is not. Use a separate draft model instead."
+            )
+        total = len(base.layers)
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < total:
+            raise ModelLoadError(
+                f"draft='early-exit:{n_layers}': N must be an integer from 1 to {total - 1} (the target has {total} layers)."
+            )
+        self.config = base.config
+        self.embed_tokens, self.norm, self.rotary_emb = (
+            base.embed_tokens,
+            base.norm,
+            base.rotary_emb,
+        )
+        self.layers = list(base.layers[:n_layers])
+        self.lm_head = causal_lm.get_output_embeddings()
+
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+    ) -> SimpleNamespace:
+        from transformers.masking_utils import create_causal_mask
+
+        # As LlamaModel.forward: positions continue the cache; one causal mask and one rotary
+        # embedding are shared by all layers; layer i writes layer i of the cache.
+        hidden = self.embed_tokens(input_ids)  # [1, P, H]
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_embeddings=rotary,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        hidden = self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        return SimpleNamespace(logits=self.lm_head(hidden))
+
+
+def early_exit_drafter(loaded: Any, n_layers: int, params: GenerationParams, **options: Any) -> ModelDrafter:
+    """A ``ModelDrafter`` over the first ``n_layers`` of ``loaded`` (a ``LoadedModel``)."""
+    return ModelDrafter(
+        EarlyExitModel(loaded.model, n_layers),
+        params,
+        loaded.vocab_size,
+        loaded.device,
+        **options,
+    )
