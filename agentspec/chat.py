@@ -48,7 +48,9 @@ def _render_tool_calls(tool_calls: Any, where: str) -> str:
                 arguments = json.loads(arguments or "{}")
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"{where}: tool call arguments are not valid JSON ({exc}).") from None
-        rendered.append(json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False))
+        # Compact, as the call grammar makes the model write them: history and new calls look alike.
+        call_json = {"name": function["name"], "arguments": arguments}
+        rendered.append(json.dumps(call_json, ensure_ascii=False, separators=(",", ":")))
     return "\n".join(rendered)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +27,11 @@ import torch
 
 from .errors import InvalidRequestError
 
-__all__ = ["Grammar", "GrammarCompiler", "schema_from_response_format"]
+__all__ = ["AutoCallGrammar", "Grammar", "GrammarCompiler", "RepeatedGrammar", "schema_from_response_format"]
 
 MAX_FORCED_BYTES = 256  # longest forced text followed ahead of the model
+MAX_CACHED_GRAMMARS = 64  # compiled schemas kept per tokenizer (least recently used dropped)
+MAX_REGEX_CHARS = 200_000  # bigger schemas take too long and too much memory to index
 WHITESPACE = ""  # compact JSON: no optional whitespace anywhere
 
 
@@ -86,6 +89,14 @@ class Grammar:
             return None
         return self.index.get_next_state(state, token)
 
+    def next_state(self, state: int, token: int) -> int:
+        """The state after a committed (already verified under ``mask``) token."""
+        return self.index.get_next_state(state, token)
+
+    def unconstrained(self, state: int) -> bool:
+        """True where every token is allowed (no mask needed)."""
+        return False
+
     def forced(self, state: int) -> list[int]:
         """Canonical tokens of the text the grammar forces from ``state`` (look-back applied)."""
         with self._lock:
@@ -135,6 +146,114 @@ class Grammar:
         return tokens
 
 
+class RepeatedGrammar:
+    """One or more values of ``item`` separated by newlines: parallel tool calls, one per line.
+
+    Compact JSON never contains a raw newline, so the separator is unambiguous. Where a value is
+    complete the model chooses between the newline token (another value) and an end token. The
+    repetition lives here rather than in the regex: outlines_core's ``Index`` keeps, from a final
+    state, only the tokens that lead to another final state, so ``(R)(\\n(R))*`` would never
+    allow the newline.
+    """
+
+    def __init__(self, item: Grammar) -> None:
+        self.item = item
+        self.compiler = compiler = item.compiler
+        separator = compiler.encode(b"\n")
+        assert len(separator) == 1, "a newline is one token in byte-level BPE vocabularies"
+        self.separator = separator[0]
+        self._between = torch.zeros(compiler.vocab_size, dtype=torch.bool)
+        self._between[[self.separator, *compiler.stop_token_ids]] = True
+        self._between = self._between.to(compiler.device)
+
+    @property
+    def initial_state(self) -> int:
+        return self.item.initial_state
+
+    def forced(self, state: int) -> list[int]:
+        return [] if self.item.is_complete(state) else self.item.forced(state)
+
+    def mask(self, state: int) -> torch.Tensor:
+        return self._between if self.item.is_complete(state) else self.item.mask(state)
+
+    def unconstrained(self, state: int) -> bool:
+        return False
+
+    def advance(self, state: int, token: int) -> int | None:
+        if self.item.is_complete(state):
+            return self.item.initial_state if token == self.separator else None
+        return self.item.advance(state, token)
+
+    def next_state(self, state: int, token: int) -> int:
+        if self.item.is_complete(state) and token == self.separator:
+            return self.item.initial_state
+        return self.item.next_state(state, token)
+
+    def is_complete(self, state: int) -> bool:
+        return False  # only an end token ends a reply that may hold another value
+
+
+class AutoCallGrammar:
+    """``tool_choice="auto"``: free text, or a tool call if the reply starts with one (a lazy grammar).
+
+    At the first token the model chooses: any token that does not start with ``{`` begins a text
+    answer, after which nothing is constrained; the call grammar's first canonical token (``{"``)
+    begins a call, after which the call grammar applies exactly as for a forced call. Tokens that
+    start with ``{`` but are not that token are masked, so a reply that opens a brace is always a
+    well-formed call. Plain and speculative decoding share this mask, so output never depends on
+    speculation. States: ``UNDECIDED`` (before the first token), ``TEXT``, or the call grammar's own.
+    """
+
+    UNDECIDED = -2
+    TEXT = -1
+
+    def __init__(self, call: Grammar | RepeatedGrammar) -> None:
+        self.call = call
+        compiler = call.compiler
+        opening = torch.as_tensor(compiler.first_byte == ord("{"), device=compiler.device)
+        self._start_mask = call.mask(call.initial_state)  # only the canonical first token of a call
+        self._first_mask = ~opening | self._start_mask
+        self._free_mask = torch.ones(compiler.vocab_size, dtype=torch.bool, device=compiler.device)
+        self.call_start = int(self._start_mask.nonzero()[0])
+
+    @property
+    def initial_state(self) -> int:
+        return self.UNDECIDED
+
+    def is_call(self, state: int) -> bool:
+        return state >= 0
+
+    def forced(self, state: int) -> list[int]:
+        return self.call.forced(state) if state >= 0 else []
+
+    def mask(self, state: int) -> torch.Tensor:
+        if state >= 0:
+            return self.call.mask(state)
+        return self._first_mask if state == self.UNDECIDED else self._free_mask
+
+    def unconstrained(self, state: int) -> bool:
+        return state == self.TEXT
+
+    def advance(self, state: int, token: int) -> int | None:
+        if state >= 0:
+            return self.call.advance(state, token)
+        if state == self.TEXT:
+            return self.TEXT
+        if token == self.call_start:
+            return self.call.advance(self.call.initial_state, token)
+        return self.TEXT if bool(self._first_mask[token]) else None
+
+    def next_state(self, state: int, token: int) -> int:
+        if state >= 0:
+            return self.call.next_state(state, token)
+        if state == self.UNDECIDED and token == self.call_start:
+            return self.call.next_state(self.call.initial_state, token)
+        return self.TEXT
+
+    def is_complete(self, state: int) -> bool:
+        return state >= 0 and self.call.is_complete(state)
+
+
 class GrammarCompiler:
     """Builds and caches grammars for one tokenizer (outlines_core ``Vocabulary`` from token bytes)."""
 
@@ -152,29 +271,50 @@ class GrammarCompiler:
         self.vocabulary = Vocabulary(min(stop_token_ids), by_bytes)
         self.first_byte = np.array([piece[0] if piece else -1 for piece in token_bytes], dtype=np.int64)
         self.byte_token = {piece[0]: ids[0] for piece, ids in by_bytes.items() if len(piece) == 1}
-        self._cache: dict[str, Grammar] = {}
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()  # LRU by regex
         self._lock = threading.Lock()
 
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
-    def compile(self, schema: dict[str, Any]) -> Grammar:
-        """The grammar of ``schema`` (cached). Raises InvalidRequestError naming what is unsupported."""
-        from outlines_core import Index
+    def regex(self, schema: dict[str, Any]) -> str:
+        """The schema's regular expression: fast, and raises InvalidRequestError naming what is
+        unsupported, so a request is rejected before any work starts."""
         from outlines_core.json_schema import build_regex_from_schema
 
         try:
             key = json.dumps(schema)  # property order matters: it is the order fields are generated in
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"The JSON schema is not JSON-serialisable: {exc}.") from None
-        with self._lock:
-            if key in self._cache:
-                return self._cache[key]
         try:
             regex = build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
-            index = Index(regex, self.vocabulary)
         except Exception as exc:  # outlines_core names the unsupported keyword or structure
             raise InvalidRequestError(f"Unsupported or invalid JSON schema: {exc}".strip()) from None
+        if len(regex) > MAX_REGEX_CHARS:
+            raise InvalidRequestError(
+                f"The JSON schema is too large to compile ({len(regex)} regex characters > {MAX_REGEX_CHARS}); "
+                "bound it (maxLength, maxItems, fewer alternatives) or split the request."
+            )
+        return regex
+
+    def compile(self, schema: dict[str, Any], *, regex: str | None = None) -> Grammar:
+        """The grammar of ``schema`` (cached by its regex). Building an index takes milliseconds for a
+        small schema and seconds for a permissive one (``{"type": "object"}``): call it off the event
+        loop. Raises InvalidRequestError naming what is unsupported."""
+        from outlines_core import Index
+
+        regex = regex if regex is not None else self.regex(schema)
+        with self._lock:
+            if regex in self._cache:
+                self._cache.move_to_end(regex)
+                return self._cache[regex]
+        try:
+            index = Index(regex, self.vocabulary)
+        except Exception as exc:  # e.g. a pattern no sequence of tokens can match
+            raise InvalidRequestError(f"The JSON schema cannot be compiled: {exc}".strip()) from None
         grammar = Grammar(schema=schema, index=index, compiler=self)
         with self._lock:
-            return self._cache.setdefault(key, grammar)
+            grammar = self._cache.setdefault(regex, grammar)
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return grammar

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidRequestError, UnsupportedFeatureError
+from .errors import InvalidRequestError
 from .types import ToolCall, ToolCallDelta
 
 __all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser"]
@@ -30,12 +30,16 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
-def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str | None]:
-    """Validate ``tools``/``tool_choice``; returns the tools and the forced name ("" = any tool, None = no call)."""
+def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]:
+    """Validate ``tools``/``tool_choice``.
+
+    Returns the tools, the mode ("off": answer in text, "auto": the model decides, "forced": a call
+    from the first token) and the forced tool's name ("" = any of the tools).
+    """
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError(f"`tool_choice={tool_choice!r}` needs `tools`; pass the tools or drop tool_choice.")
-        return [], None
+        return [], "off", ""
     specs: list[ToolSpec] = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if tool.get("type", "function") == "function" else None
@@ -49,18 +53,15 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str | Non
     if len(set(names)) != len(names):
         raise InvalidRequestError(f"Tool names must be unique, got {names}.")
     if tool_choice in (None, "auto"):
-        raise UnsupportedFeatureError(
-            "tool_choice='auto' (the model decides whether to call a tool) is not in this build yet; "
-            "pass tool_choice='required', a named function, or 'none'."
-        )
+        return specs, "auto", ""
     if tool_choice == "none":
-        return specs, None
+        return specs, "off", ""
     if tool_choice == "required":
-        return specs, ""
+        return specs, "forced", ""
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if name not in names:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools: {', '.join(names)}.")
-    return specs, name
+    return specs, "forced", name
 
 
 def call_schema(tools: list[ToolSpec], forced_name: str) -> dict[str, Any]:
@@ -84,7 +85,8 @@ def with_tool_prompt(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> l
     )
     section = (
         f"You can call these tools:\n{listing}\n"
-        'To call a tool, reply with JSON: {"name": <tool name>, "arguments": <arguments object>}.'
+        'To call a tool, reply with JSON: {"name": <tool name>, "arguments": <arguments object>}; '
+        "for several calls, one JSON object per line."
     )
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return messages  # malformed: message validation reports it
@@ -97,37 +99,58 @@ def with_tool_prompt(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> l
 
 
 @dataclass
-class ToolCallParser:
-    """Verified call text in, call events out. Holds back the outer ``}`` until the call is complete."""
-
-    index: int = 0
+class _Call:
+    index: int
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     text: str = ""
     name: str | None = None
-    _sent: int = 0  # characters of the arguments already streamed
+    sent: int = 0  # characters of the arguments already streamed
 
-    def feed(self, text: str) -> list[ToolCallDelta]:
-        self.text += text
-        events: list[ToolCallDelta] = []
-        if self.name is None:
-            mark = self.text.find(ARGUMENTS_MARK)
-            if mark < 0:
-                return events
-            self.name = self.text[len(NAME_PREFIX) : mark]
-            events.append(ToolCallDelta(index=self.index, id=self.id, name=self.name, arguments=""))
-        arguments = self._arguments()[:-1]  # the last character may be the outer object's "}"
-        if len(arguments) > self._sent:
-            events.append(ToolCallDelta(index=self.index, arguments=arguments[self._sent :]))
-            self._sent = len(arguments)
+    def arguments(self) -> str:
+        """The arguments text so far, without its last character (it may be the outer ``}``)."""
+        return self.text[self.text.find(ARGUMENTS_MARK) + len(ARGUMENTS_MARK) : -1]
+
+
+class ToolCallParser:
+    """Verified call text in, call events out. The text is one compact JSON call per line, so a
+    newline ends a call; the outer ``}`` of the call being written is held back until it ends."""
+
+    def __init__(self) -> None:
+        self._current: _Call | None = None
+        self._count = 0
+
+    def feed(self, text: str) -> list[ToolCallDelta | ToolCall]:
+        events: list[ToolCallDelta | ToolCall] = []
+        for i, piece in enumerate(text.split("\n")):
+            if i:
+                events.extend(self.finish())
+            if not piece:
+                continue
+            if self._current is None:
+                self._current = _Call(index=self._count)
+                self._count += 1
+            call = self._current
+            call.text += piece
+            if call.name is None:
+                mark = call.text.find(ARGUMENTS_MARK)
+                if mark < 0:
+                    continue
+                call.name = call.text[len(NAME_PREFIX) : mark]
+                events.append(ToolCallDelta(index=call.index, id=call.id, name=call.name, arguments=""))
+            events.extend(self._delta(call))
         return events
 
-    def _arguments(self) -> str:
-        return self.text[self.text.find(ARGUMENTS_MARK) + len(ARGUMENTS_MARK) :]
+    def finish(self) -> list[ToolCallDelta | ToolCall]:
+        """The call being written is complete: its last argument fragment and the parsed call."""
+        call, self._current = self._current, None
+        if call is None:
+            return []
+        return [*self._delta(call), ToolCall(index=call.index, id=call.id, name=call.name or "", arguments=json.loads(call.arguments()))]
 
-    def finish(self) -> tuple[list[ToolCallDelta], ToolCall]:
-        """The call is complete: the last argument fragment and the parsed call."""
-        arguments = self._arguments()[:-1]
-        events = [ToolCallDelta(index=self.index, arguments=arguments[self._sent :])] if len(arguments) > self._sent else []
-        self._sent = len(arguments)
-        call = ToolCall(index=self.index, id=self.id, name=self.name or "", arguments=json.loads(arguments))
-        return events, call
+    @staticmethod
+    def _delta(call: _Call) -> list[ToolCallDelta]:
+        arguments = call.arguments()
+        if call.name is None or len(arguments) <= call.sent:
+            return []
+        fragment, call.sent = arguments[call.sent :], len(arguments)
+        return [ToolCallDelta(index=call.index, arguments=fragment)]

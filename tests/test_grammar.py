@@ -68,6 +68,35 @@ SCHEMAS = {
     "const": {"type": "object", "properties": {"kind": {"const": "order"}, "id": I}, "required": ["kind", "id"]},
     "pydantic_refs": Customer.model_json_schema(),
     "json_object": {"type": "object"},
+    "bounded_integer": {"type": "object", "properties": {"quantity": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["quantity"]},
+    "bounded_number": {"type": "object", "properties": {"price": {"type": "number", "minimum": 0}}, "required": ["price"]},
+    "boolean_only": {"type": "object", "properties": {"paid": {"type": "boolean"}, "fragile": {"type": "boolean"}}, "required": ["paid", "fragile"]},
+    "nullable": {"type": "object", "properties": {"phone": {"type": ["string", "null"]}}, "required": ["phone"]},
+    "enum_array": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["mug", "teapot", "plate"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+    },
+    "deep_nesting": {
+        "type": "object",
+        "properties": {
+            "order": {
+                "type": "object",
+                "properties": {"shipping": {"type": "object", "properties": {"city": S, "country": S}, "required": ["city", "country"]}},
+                "required": ["shipping"],
+            }
+        },
+        "required": ["order"],
+    },
+    "no_additional": {"type": "object", "properties": {"name": S}, "required": ["name"], "additionalProperties": False},
+    "email_format": {"type": "object", "properties": {"email": {"type": "string", "format": "email"}}, "required": ["email"]},
+    "date_format": {"type": "object", "properties": {"shipped": {"type": "string", "format": "date"}}, "required": ["shipped"]},
+    "pattern": {"type": "object", "properties": {"phone": {"type": "string", "pattern": "\\+1 [0-9]{3} [0-9]{4}"}}, "required": ["phone"]},
+    "string_lengths": {"type": "object", "properties": {"code": {"type": "string", "minLength": 2, "maxLength": 3}}, "required": ["code"]},
+    "enum_mixed": {"type": "object", "properties": {"qty": {"enum": [1, 2, "many"]}}, "required": ["qty"]},
+    "one_of": {"type": "object", "properties": {"contact": {"oneOf": [{"type": "object", "properties": {"email": S}, "required": ["email"]}, {"type": "object", "properties": {"phone": S}, "required": ["phone"]}]}}, "required": ["contact"]},
+    "array_of_arrays": {"type": "object", "properties": {"grid": {"type": "array", "items": {"type": "array", "items": I, "maxItems": 2}, "maxItems": 2}}, "required": ["grid"]},
+    "unicode_enum": {"type": "object", "properties": {"mood": {"enum": ["heureux", "«fragile»", "東京"]}}, "required": ["mood"]},
 }
 
 
@@ -90,7 +119,7 @@ def test_output_validates_and_speculative_equals_plain(engine, loaded, name):
                 # the grammar state always equals the state of the committed tokens (rollback restores it)
                 state = grammar.initial_state
                 for token in seq.output_ids:
-                    state = grammar.index.get_next_state(state, token)
+                    state = grammar.next_state(state, token)
                 assert engine._state[seq].grammar_state == state
         finally:
             engine.release(seq)

@@ -1,14 +1,23 @@
-"""Forced tool calls on the real default model: events, schema-valid arguments, plain == speculative."""
+"""Tool calls: forced and "auto" calls on the real default model (events, schema-valid arguments,
+plain == speculative), parallel calls on a tiny random model, and the call parser."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
 
 import agentspec
+from agentspec.engine import Engine
+from agentspec.grammar import AutoCallGrammar, RepeatedGrammar
+from agentspec.params import GenerationParams
+from agentspec.tools import ToolCallParser, call_schema, parse_tools
+from agentspec.types import SpecConfig
 from agentspec.workloads import WEATHER_TOOL as WEATHER
+
+from .conftest import decode, tiny_model
 
 # Not the bench workload's send_email: without a free-text body the call fits in max_tokens=60.
 EMAIL = {
@@ -76,11 +85,112 @@ async def test_tool_choice_none_answers_in_text(client):
     assert done.tool_calls == [] and done.text and done.finish_reason in ("stop", "length")
 
 
+async def test_auto_answers_in_text_exactly_like_none(client):
+    """A reply that does not open a call is unconstrained: the same tokens as tool_choice="none"."""
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    auto = await client.generate(messages, tools=TOOLS, max_tokens=12)  # tool_choice defaults to "auto"
+    none = await client.generate(messages, tools=TOOLS, tool_choice="none", max_tokens=12)
+    assert auto.tool_calls == [] and auto.text and auto.finish_reason in ("stop", "length")
+    assert auto.token_ids == none.token_ids
+
+
+# The 135M model does not call tools unprompted; after one call in the conversation it imitates it.
+HISTORY = [
+    {"role": "user", "content": "What's the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18°C, cloudy"},
+    {"role": "assistant", "content": "It is 18°C and cloudy in Paris."},
+]
+
+
+@pytest.mark.parametrize("city", ["Rome", "Madrid"])
+async def test_auto_starts_a_call_when_the_model_opens_one(client, city):
+    messages = [*HISTORY, {"role": "user", "content": f"What's the weather in {city}?"}]
+    events = [ev async for ev in client.stream(messages, tools=[WEATHER], tool_choice="auto", max_tokens=40)]
+    calls = [e for e in events if isinstance(e, agentspec.ToolCall)]
+    assert events[-1].finish_reason == "tool_calls" and not any(isinstance(e, agentspec.TextDelta) for e in events)
+    assert [c.name for c in calls] == ["get_weather"] and calls[0].arguments["city"] == city
+    jsonschema.validate(calls[0].arguments, WEATHER["function"]["parameters"])
+    plain = await client.generate(messages, tools=[WEATHER], tool_choice="auto", max_tokens=40, speculative=False)
+    spec = await client.generate(messages, tools=[WEATHER], tool_choice="auto", max_tokens=40)
+    assert spec.token_ids == plain.token_ids and spec.tool_calls[0].arguments == calls[0].arguments
+
+
+# Parallel calls: a random tiny model ends a call with a newline (another call) or EOS at random, so
+# it exercises several calls per reply; its enum/boolean arguments keep each call short.
+FLAGS = {
+    "type": "function",
+    "function": {
+        "name": "set_flags",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "on": {"type": "boolean"}}, "required": ["unit", "on"]},
+    },
+}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+def check_calls(loaded, seq, grammar) -> int:
+    """The reply's calls parse, validate and are indexed 0..n-1; returns how many there are."""
+    text = loaded.tokenizer.decode(seq.output_ids)
+    if isinstance(grammar, AutoCallGrammar) and seq.output_ids and seq.output_ids[0] != grammar.call_start:
+        assert not text.startswith("{")  # a text reply never opens a brace
+        return 0
+    parser = ToolCallParser()
+    events = parser.feed(text) + (parser.finish() if seq.finish_reason == "stop" else [])
+    calls = [e for e in events if isinstance(e, agentspec.ToolCall)]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    for c in calls:
+        jsonschema.validate(c.arguments, {"set_flags": FLAGS, "ping": PING}[c.name]["function"]["parameters"])
+    assert len(calls) == text.count("\n") + (seq.finish_reason == "stop")
+    return len(calls)
+
+
+@pytest.mark.parametrize("mode", ["forced", "auto"])
+def test_parallel_calls_on_a_tiny_model(loaded, mode):
+    tiny = tiny_model(loaded, seed=3, init=0.02)
+    engine = Engine(tiny)
+    specs, _, name = parse_tools([FLAGS, PING], "required")
+    grammar = RepeatedGrammar(loaded.grammars.compile(call_schema(specs, name)))
+    if mode == "auto":
+        grammar = AutoCallGrammar(grammar)
+    call_counts = []
+    for i in range(4):
+        prompt_ids = loaded.chat.encode([{"role": "user", "content": f"Request {i}: set the flags {'and ping ' * i}"}])
+        greedy = {}
+        for label, spec in (("plain", SpecConfig(enabled=False)), ("k8", SpecConfig(max_draft_tokens=8, adaptive=False))):
+            greedy[label], _ = decode(engine, prompt_ids, GenerationParams(max_tokens=48, spec=spec), grammar=grammar)
+            check_calls(loaded, greedy[label], grammar)
+        assert greedy["k8"].tokens == greedy["plain"].tokens
+        sampled, _ = decode(engine, prompt_ids, GenerationParams(max_tokens=48, temperature=1.0, seed=i), grammar=grammar)
+        call_counts.append(check_calls(loaded, sampled, grammar))
+    if mode == "forced":
+        assert max(call_counts) >= 2, call_counts  # the test exercises parallel calls
+
+
+def test_parser_streams_several_calls_under_any_chunking():
+    calls = [("get_weather", {"city": "Zürich", "unit": "celsius"}), ("get_time", {}), ("send_email", {"to": "a@b.c", "subject": "«hi»"})]
+    text = "\n".join(json.dumps({"name": n, "arguments": a}, ensure_ascii=False, separators=(",", ":")) for n, a in calls)
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        parser, events = ToolCallParser(), []
+        for start, end in zip([0, *cuts], [*cuts, len(text)]):
+            events += parser.feed(text[start:end])
+        events += parser.finish()
+        done = [e for e in events if isinstance(e, agentspec.ToolCall)]
+        assert [(c.name, c.arguments) for c in done] == calls and [c.index for c in done] == [0, 1, 2]
+        for call in done:
+            deltas = [e for e in events if isinstance(e, agentspec.ToolCallDelta) and e.index == call.index]
+            assert deltas[0].id == call.id and deltas[0].name == call.name
+            assert all(d.id is None and d.name is None for d in deltas[1:])
+            assert json.loads("".join(d.arguments for d in deltas)) == call.arguments
+        assert len({c.id for c in done}) == 3
+
+
 @pytest.mark.parametrize(
     "params, error, needle",
     [
-        ({"tools": TOOLS}, agentspec.UnsupportedFeatureError, "auto"),
-        ({"tools": TOOLS, "tool_choice": "auto"}, agentspec.UnsupportedFeatureError, "auto"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, agentspec.InvalidRequestError, "parallel_tool_calls"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, agentspec.InvalidRequestError, "exclude"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, agentspec.InvalidRequestError, "nope"),
         ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, agentspec.InvalidRequestError, "tools\\[0\\]"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, agentspec.InvalidRequestError, "unique"),
