@@ -16,6 +16,7 @@ from .errors import (
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    RequestTimeoutError,
     UnsupportedFeatureError,
 )
 from .types import Completion, Done, Event, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
@@ -41,5 +42,6 @@ __all__ = [
     "ModelLoadError",
     "ClientClosedError",
     "EngineOverloadedError",
+    "RequestTimeoutError",
     "EngineError",
 ]

@@ -6,7 +6,9 @@ Systems (all greedy, same stop tokens, same max_tokens):
 - ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
 - ``agentspec``         agentspec with speculation
 
-Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain},
+Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain,
+spread, acceptance, tokens_per_pass, accepted_by_source} (``seconds`` is the median of the repeats,
+``spread`` their (max − min) / median),
 where ``identical_to_plain`` compares token ids with the first system run (``hf_plain`` by default;
 ``agentspec_plain`` under the same grammar for the constrained workloads, tool call and extraction,
 which transformers' ``generate`` cannot run). Speed is always a ratio against a
@@ -15,10 +17,12 @@ baseline measured in the same process, never an absolute claim.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -27,8 +31,8 @@ import torch
 from .budget import CostModel
 from .client import Client
 from .drafting import NgramIndex
-from .types import SpecConfig
-from .workloads import WORKLOADS, Workload, workload
+from .types import SpecConfig, SpecStats
+from .workloads import WORKLOADS, Workload, load_workloads, workload
 
 __all__ = ["BenchRow", "SYSTEMS", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
 
@@ -44,6 +48,10 @@ class BenchRow:
     tokens_per_s: float
     target_forwards: int
     identical_to_plain: bool
+    spread: float = 0.0  # (slowest − fastest) / median over the repeats
+    acceptance: float = 0.0  # agentspec systems: accepted / drafted tokens
+    tokens_per_pass: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
 
 class _ForwardCounter:
@@ -80,8 +88,8 @@ def _hf_generate(client: Client, prompt_ids: list[int], max_tokens: int, **extra
     return output[0, len(prompt_ids) :].tolist(), counter.count
 
 
-async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> tuple[list[int], int, int]:
-    """Returns (output ids without the stop token, tokens generated, target forward passes)."""
+async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> tuple[list[int], int, int, SpecStats | None]:
+    """Returns (output ids without the stop token, tokens generated, target forward passes, stats)."""
     if system in ("hf_plain", "hf_prompt_lookup"):
         prompt_ids = client.loaded.chat.encode(work.messages)
         extra = {"prompt_lookup_num_tokens": 10} if system == "hf_prompt_lookup" else {}
@@ -89,9 +97,9 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
         ids, forwards = await client.run_on_worker(lambda: _hf_generate(client, prompt_ids, max_tokens, **extra))
         stops = client.loaded.stop_token_ids
         end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-        return ids[:end], min(end + 1, len(ids)), forwards
+        return ids[:end], min(end + 1, len(ids)), forwards, None
     completion = await client.generate(work.messages, max_tokens=max_tokens, speculative=system == "agentspec", **work.params)
-    return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes
+    return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes, completion.stats
 
 
 async def run_bench(
@@ -113,10 +121,10 @@ async def run_bench(
             if work.constrained and system.startswith("hf_"):
                 continue  # transformers' generate has no grammar: not the same task
             await _run_system(client, system, work, min(limit, 8))  # warm-up
-            timings, ids, tokens, forwards = [], [], 0, 0
+            timings, ids, tokens, forwards, stats = [], [], 0, 0, None
             for _ in range(repeats):
                 started = time.perf_counter()
-                ids, tokens, forwards = await _run_system(client, system, work, limit)
+                ids, tokens, forwards, stats = await _run_system(client, system, work, limit)
                 timings.append(time.perf_counter() - started)
             if reference is None:
                 reference = ids  # the first system (hf_plain by default) is the reference output
@@ -129,6 +137,10 @@ async def run_bench(
                 tokens_per_s=round(tokens / seconds, 2),
                 target_forwards=forwards,
                 identical_to_plain=ids == reference,
+                spread=round((max(timings) - min(timings)) / seconds, 3),
+                acceptance=round(stats.acceptance_rate, 3) if stats else 0.0,
+                tokens_per_pass=round(tokens / forwards, 2) if forwards else 0.0,
+                accepted_by_source=dict(stats.accepted_by_source) if stats else {},
             )
             rows.append(row)
             on_row(row)
@@ -167,14 +179,14 @@ def format_table(rows: list[BenchRow]) -> str:
         return f"{row.tokens_per_s / base:.2f}" if base else "-"
 
     header = (
-        f"{'workload':<16} {'system':<17} {'tokens':>6} {'tok/s':>7} {'passes':>6} "
-        f"{'×hf':>6} {'×lookup':>8} {'×plain':>7} {'identical':>9}"
+        f"{'workload':<16} {'system':<17} {'tokens':>6} {'tok/s':>7} {'spread':>6} {'passes':>6} {'tok/pass':>8} "
+        f"{'accept':>6} {'×hf':>6} {'×lookup':>8} {'×plain':>7} {'identical':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.workload:<16} {r.system:<17} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.target_forwards:>6} "
-            f"{ratio(r, 'hf_plain'):>6} {ratio(r, 'hf_prompt_lookup'):>8} {ratio(r, 'agentspec_plain'):>7} "
+            f"{r.workload:<16} {r.system:<17} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.spread:>6.0%} {r.target_forwards:>6} "
+            f"{r.tokens_per_pass:>8.2f} {r.acceptance:>6.0%} {ratio(r, 'hf_plain'):>6} {ratio(r, 'hf_prompt_lookup'):>8} {ratio(r, 'agentspec_plain'):>7} "
             f"{str(r.identical_to_plain):>9}"
         )
     return "\n".join(lines)
@@ -183,8 +195,8 @@ def format_table(rows: list[BenchRow]) -> str:
 async def main(args: Any) -> int:
     names = [n for n in args.workloads.split(",") if n] if args.workloads else [w.name for w in WORKLOADS]
     try:
-        selected = [workload(name) for name in names]
-    except KeyError as exc:
+        selected = load_workloads(args.prompts) if args.prompts else [workload(name) for name in names]
+    except (KeyError, ValueError, OSError) as exc:
         raise SystemExit(str(exc)) from None
     systems = args.systems.split(",") if args.systems else SYSTEMS
     unknown = set(systems) - set(SYSTEMS)
@@ -193,9 +205,13 @@ async def main(args: Any) -> int:
     async with Client(args.model, device=args.device) as client:
         print(f"model {client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}); workloads: "
               f"{', '.join(w.name for w in selected)}", flush=True)
+        cells = sum(1 for w in selected for s in systems if not (w.constrained and s.startswith("hf_")))
+        done = itertools.count(1)
         rows = await run_bench(
             client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
-            on_row=lambda r: print(f"  {r.workload:<16} {r.system:<17} {r.tokens_per_s:7.1f} tok/s", flush=True),
+            on_row=lambda r: print(
+                f"  [{next(done)}/{cells}] {r.workload:<16} {r.system:<17} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True
+            ),
         )
         bounds = {}
         for work in (w for w in selected if not w.constrained):  # a perfect draft-length policy, same n-grams

@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["chat"].add_argument("--max-tokens", type=int, default=256)
     bench = sub.choices["bench"]
     bench.add_argument("--workloads", default="", help=f"comma-separated subset of: {', '.join(w.name for w in WORKLOADS)}")
+    bench.add_argument("--prompts", default=None, metavar="JSONL", help='your own requests instead: one {"name", "messages" or "prompt", "max_tokens", "params"} per line')
     bench.add_argument("--systems", default="", help="comma-separated subset of: hf_plain, hf_prompt_lookup, agentspec_plain, agentspec")
     bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")

@@ -10,7 +10,11 @@ request before its next engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import functools
+import logging
+import random
 import time
 import weakref
 from collections import deque
@@ -20,16 +24,20 @@ from typing import Any, Callable, TypeVar
 import anyio
 import torch
 
+from .drafting.sources import DraftSources, check_draft_reference
 from .engine import Engine, Sequence, StepOutput
-from .errors import ClientClosedError, ContextLengthError, InvalidRequestError, UnsupportedFeatureError
-from .metrics import MetricsAggregator
+from .errors import ClientClosedError, ContextLengthError, InvalidRequestError
+from .metrics import MetricsAggregator, log_request
 from .model import LoadedModel, load_model
-from .params import parse_params
+from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar
+from .params import GenerationParams, parse_params
 from .runtime import Channel, RequestHandle, Runtime
 from .tools import ToolCallParser, with_tool_prompt
 from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
 __all__ = ["Client", "Stream"]
+
+log = logging.getLogger("agentspec.client")
 
 T = TypeVar("T")
 
@@ -43,17 +51,24 @@ class _State(enum.Enum):
 class Stream:
     """Verified events of one request: an async iterator and an async context manager."""
 
-    def __init__(self, runtime: Runtime, seq: Sequence) -> None:
+    def __init__(self, runtime: Runtime, seq: Sequence, grammar: Callable[[], Any] | None = None) -> None:
         self._runtime = runtime
         self._seq = seq
+        self._grammar = grammar  # builds the request's grammar (seconds for a big schema: off the loop)
         self._handle: RequestHandle | None = None
         self._events: deque[Any] = deque()
         self._state = _State.NEW
-        self._call = ToolCallParser() if seq.params.tool_call else None
+        mode = seq.params.tool_mode
+        # "auto" stays undecided (None) until the first token: the opening of a call, or text.
+        self._call: ToolCallParser | None = ToolCallParser() if mode == "forced" else None
+        self._decided = mode != "auto"
 
-    def _submit(self) -> RequestHandle:
+    async def _submit(self) -> RequestHandle:
+        if self._grammar is not None:
+            build, self._grammar = self._grammar, None
+            self._seq.grammar = await anyio.to_thread.run_sync(build)  # outlines_core releases the GIL
         channel = Channel(asyncio.get_running_loop())
-        self._seq.submitted_at = time.perf_counter()
+        self._seq.submitted_at = time.perf_counter()  # a `timeout` counts from here
         handle = RequestHandle(self._seq, channel, self._runtime)
         self._runtime.submit(handle)
         self._handle = handle
@@ -63,7 +78,7 @@ class Stream:
 
     async def __aenter__(self) -> "Stream":
         if self._state is _State.NEW:
-            self._submit()
+            await self._submit()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -72,9 +87,14 @@ class Stream:
     def __aiter__(self) -> "Stream":
         return self
 
+    @property
+    def request_id(self) -> str:
+        """This request's id, as in agentspec's log lines."""
+        return self._seq.request_id
+
     async def __anext__(self) -> TextDelta | ToolCallDelta | ToolCall | Done:
         if self._state is _State.NEW:
-            self._submit()
+            await self._submit()
         while not self._events:
             if self._state is _State.CLOSED:
                 raise StopAsyncIteration
@@ -92,15 +112,19 @@ class Stream:
 
     def _to_events(self, output: StepOutput) -> list[TextDelta | ToolCallDelta | ToolCall | Done]:
         events: list[TextDelta | ToolCallDelta | ToolCall | Done] = []
+        if not self._decided and output.token_ids:
+            grammar = self._seq.grammar
+            assert isinstance(grammar, AutoCallGrammar)
+            self._call = ToolCallParser() if output.token_ids[0] == grammar.call_start else None
+            self._decided = True
         if self._call is not None:
             events.extend(self._call.feed(output.text))
         elif output.text or output.token_ids:
             events.append(TextDelta(text=output.text, token_ids=output.token_ids))
         finish = output.finish_reason
         if finish is not None:
-            if self._call is not None and finish == "stop":  # the call's grammar is complete
-                deltas, call = self._call.finish()
-                events.extend([*deltas, call])
+            if self._call is not None and finish == "stop":  # the last call is complete
+                events.extend(self._call.finish())
                 finish = "tool_calls"
             seq = self._seq  # the worker has released it: reading is safe
             prompt, completion = len(seq.prompt_ids), seq.generated
@@ -127,12 +151,21 @@ def _parse(response_model: Any, text: str) -> Any:
         return None
 
 
-def _check_draft(draft: Any) -> None:
-    if draft is not None:
-        raise UnsupportedFeatureError(
-            f"draft={draft!r}: draft models and early-exit self-speculation are not in this build yet; "
-            "use draft=None (n-gram drafting is always on)."
-        )
+def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[[], Any] | None:
+    """Validate the request's schema now (raising InvalidRequestError); build its index later."""
+    if params.schema is None:
+        return None
+    compiler = loaded.grammars
+    regex = compiler.regex(params.schema)
+
+    def build() -> Grammar | RepeatedGrammar | AutoCallGrammar:
+        grammar = compiler.compile(params.schema, regex=regex)
+        if params.tool_mode == "off":
+            return grammar
+        calls = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
+        return AutoCallGrammar(calls) if params.tool_mode == "auto" else calls
+
+    return build
 
 
 class Client:
@@ -152,10 +185,12 @@ class Client:
         dtype: str | torch.dtype = "auto",
         spec: SpecConfig = SpecConfig(),
     ) -> None:
-        _check_draft(draft)
+        check_draft_reference(draft)
         if not isinstance(spec, SpecConfig):
             raise InvalidRequestError(f"`spec` must be an agentspec.SpecConfig, got {type(spec).__name__}.")
         self.model_ref = model
+        self.draft = draft
+        self._sources: DraftSources | None = None
         self.device = device
         self.dtype = dtype
         self.spec = spec
@@ -163,6 +198,7 @@ class Client:
         self._loaded: LoadedModel | None = None
         self._runtime: Runtime | None = None
         self._metrics = MetricsAggregator()
+        self._shadow_rng = random.Random()
         self._start_lock = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -177,12 +213,14 @@ class Client:
         return self
 
     async def _start(self) -> None:
-        runtime = Runtime(on_finished=lambda seq: self._metrics.add(seq.stats))
+        runtime = Runtime(on_finished=self._finished)
         runtime.start()
 
         def set_up() -> LoadedModel:  # on the worker thread, which runs all of this client's torch work
             loaded = load_model(self.model_ref, device=self.device, dtype=self.dtype)
             engine = Engine(loaded, max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens))
+            self._sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
+            engine.drafter_factory = self._sources.drafter
             engine.calibrate()
             runtime.engine = engine
             return loaded
@@ -243,8 +281,8 @@ class Client:
                 "shorten the messages (drop old turns or trim documents)."
             )
         max_new = min(generation.max_tokens or room, room)
-        grammar = loaded.grammars.compile(generation.schema) if generation.schema is not None else None
-        return Stream(runtime, Sequence(prompt_ids, generation, max_new_tokens=max_new, grammar=grammar))
+        grammar = _grammar_builder(loaded, generation)
+        return Stream(runtime, Sequence(prompt_ids, generation, max_new_tokens=max_new), grammar)
 
     async def generate(self, messages: Any, **params: Any) -> Completion:
         """Run a request to completion and collect its events."""
@@ -272,10 +310,42 @@ class Client:
 
     # -- observability -----------------------------------------------------------------------------
 
-    def metrics(self) -> SpecStats:
-        """Speculation statistics summed over every finished request of this client."""
-        return self._metrics.snapshot()
+    def metrics(self, tag: str | None = None) -> SpecStats:
+        """Speculation statistics summed over every finished request of this client, or over the
+        requests sent with ``tag=tag``."""
+        return self._metrics.snapshot(tag)
 
     def metrics_text(self) -> str:
-        """``metrics()`` in Prometheus text exposition format."""
+        """``metrics()`` in Prometheus text exposition format, with per-tag series."""
         return self._metrics.prometheus_text()
+
+    def _finished(self, seq: Sequence) -> None:
+        """Worker thread: a request ended. Count it, log it, maybe schedule its shadow check."""
+        self._metrics.add(seq.stats, seq.params.tag)
+        log_request(seq)
+        if self._sources is not None and seq.finish_reason in ("stop", "length") and seq.output_ids:
+            self._sources.finished(seq.output_ids)
+        spec = seq.params.spec
+        if (
+            spec.shadow_rate > 0
+            and spec.enabled
+            and seq.params.greedy
+            and seq.finish_reason in ("stop", "length")
+            and self._shadow_rng.random() < spec.shadow_rate
+            and self._runtime is not None
+        ):
+            plain = dataclasses.replace(seq.params, spec=spec.model_copy(update={"enabled": False}))
+            shadow = Sequence(seq.prompt_ids, plain, max_new_tokens=seq.max_new_tokens, grammar=seq.grammar)
+            self._runtime.shadow(shadow, functools.partial(self._compare, seq))
+
+    def _compare(self, original: Sequence, shadow: Sequence) -> None:
+        same = shadow.tokens == original.tokens
+        self._metrics.add_shadow(same, original.params.tag)
+        if not same:
+            at = next((i for i, (a, b) in enumerate(zip(original.output_ids, shadow.output_ids)) if a != b), None)
+            log.error(
+                "quality_diff: request %s differs from its plain decoding (first at output token %s); "
+                "speculation must be lossless, please report this",
+                original.request_id,
+                at,
+            )

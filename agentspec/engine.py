@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,7 +28,7 @@ from transformers import DynamicCache
 
 from .budget import AcceptanceModel, CostModel, choose_draft_length
 from .drafting import NO_DRAFT, Draft, Drafter, NgramDrafter
-from .grammar import Grammar
+from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar
 from .logits import LogitsPipeline
 from .model import LoadedModel
 from .params import GenerationParams
@@ -65,8 +66,9 @@ class Sequence:
     prompt_ids: list[int]
     params: GenerationParams
     max_new_tokens: int
-    grammar: Grammar | None = None  # structured output: every token is checked against it
+    grammar: Grammar | RepeatedGrammar | AutoCallGrammar | None = None  # structured output: every token is checked against it
     submitted_at: float = field(default_factory=time.perf_counter)
+    request_id: str = field(default_factory=lambda: f"req_{uuid.uuid4().hex[:20]}")
 
     tokens: list[int] = field(init=False)  # prompt + committed output (stop token included)
     output_ids: list[int] = field(default_factory=list, init=False)  # emitted tokens (no stop token)
@@ -127,6 +129,10 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._state)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is started and not yet released."""
+        return seq in self._state
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -290,6 +296,8 @@ class _SequenceState:
             if following is None:
                 break
             states.append(following)
+        if all(self.grammar.unconstrained(s) for s in states):
+            return draft, None
         return draft[: len(states) - 1], torch.stack([self.grammar.mask(s) for s in states])
 
     def commit(self, new_tokens: list[int]) -> StepOutput:
@@ -314,7 +322,7 @@ class _SequenceState:
                 finish = "stop"
                 break
             if self.grammar is not None:
-                self.grammar_state = self.grammar.index.get_next_state(self.grammar_state, token)
+                self.grammar_state = self.grammar.next_state(self.grammar_state, token)
                 if self.grammar.is_complete(self.grammar_state):
                     finish = "stop"  # the structured output is complete
                     break

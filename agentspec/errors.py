@@ -10,6 +10,7 @@ its cause::
     ├── ModelLoadError                          the model or a package it needs is missing or unsafe
     ├── ClientClosedError                       the client is not started, or already closed
     ├── EngineOverloadedError                   the request queue is full; retry later
+    ├── RequestTimeoutError (also TimeoutError) the request ran past its `timeout`; text streamed so far stands
     └── EngineError                             decoding failed for one request; others are unaffected
 """
 
@@ -23,6 +24,7 @@ __all__ = [
     "ModelLoadError",
     "ClientClosedError",
     "EngineOverloadedError",
+    "RequestTimeoutError",
     "EngineError",
 ]
 
@@ -53,6 +55,11 @@ class ClientClosedError(AgentSpecError):
 
 class EngineOverloadedError(AgentSpecError):
     """The engine's request queue is full; retry after some requests finish."""
+
+
+class RequestTimeoutError(AgentSpecError, TimeoutError):
+    """The request did not finish within its ``timeout`` (queueing included). Events already received
+    were verified and stand; raise ``timeout`` or lower ``max_tokens``."""
 
 
 class EngineError(AgentSpecError):

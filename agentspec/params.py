@@ -8,6 +8,7 @@ because agents want reproducible tool calls and greedy output is where speculati
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from .types import SpecConfig
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
 
 MAX_STOP_STRINGS = 16
+TAG = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a traffic class; also a Prometheus label value
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32; 0 means greedy
 
 PARAM_NAMES = frozenset(
@@ -35,6 +37,9 @@ PARAM_NAMES = frozenset(
         "stop",
         "seed",
         "speculative",
+        "parallel_tool_calls",
+        "tag",
+        "timeout",
     }
 )
 
@@ -55,7 +60,10 @@ class GenerationParams:
     schema: dict[str, Any] | None = None  # structured output: the JSON schema the text must follow
     response_model: Any = None  # the pydantic class when response_format was one (Completion.parsed)
     tools: tuple[ToolSpec, ...] = ()  # described to the model in the prompt
-    tool_call: bool = False  # the output is one forced tool call (its grammar is `schema`)
+    tool_mode: str = "off"  # "off" | "auto" (text or calls) | "forced" (calls from the first token)
+    parallel_tool_calls: bool = False  # a tool reply may hold several calls, one per line
+    tag: str | None = None  # traffic class: metrics are also aggregated per tag
+    timeout: float | None = None  # seconds from submission until RequestTimeoutError
 
     @property
     def greedy(self) -> bool:
@@ -103,8 +111,8 @@ def _spec(value: Any, default: SpecConfig) -> SpecConfig:
     raise InvalidRequestError(f"`speculative` must be a bool or an agentspec.SpecConfig, got {value!r}.")
 
 
-def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], bool, dict[str, Any] | None, Any]:
-    """(tools, whether a call is forced, the grammar's schema, the pydantic response model)."""
+def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[str, Any] | None, Any]:
+    """(tools, tool mode, the grammar's schema, the pydantic response model)."""
     tools, choice = params.get("tools"), params.get("tool_choice")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise InvalidRequestError(f"`tools` must be a list of OpenAI function tool dicts, got {type(tools).__name__}.")
@@ -112,14 +120,17 @@ def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], bool, dict
         raise InvalidRequestError(
             f"`tool_choice` must be 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}."
         )
-    specs, forced_name = parse_tools(tools, choice)
+    specs, mode, forced_name = parse_tools(tools, choice)
     structured = schema_from_response_format(params.get("response_format"))
-    if forced_name is not None:
+    if mode != "off":
         if structured is not None:
-            raise InvalidRequestError("A forced tool call and `response_format` exclude each other; pass one of them.")
-        return tuple(specs), True, call_schema(specs, forced_name), None
+            raise InvalidRequestError(
+                "Tool calls and `response_format` exclude each other; pass tool_choice='none' to answer with "
+                "`response_format`, or drop `response_format`."
+            )
+        return tuple(specs), mode, call_schema(specs, forced_name), None
     schema, model = structured if structured is not None else (None, None)
-    return tuple(specs), False, schema, model
+    return tuple(specs), "off", schema, model
 
 
 def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> GenerationParams:
@@ -130,7 +141,12 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
             f"Unknown parameter(s) {', '.join(map(repr, unknown))}; "
             f"valid parameters are: {', '.join(sorted(PARAM_NAMES))}."
         )
-    tools, tool_call, schema, response_model = _structure(params)
+    tools, tool_mode, schema, response_model = _structure(params)
+    # Off unless asked for (OpenAI's default is on): given the choice, SmolLM2-135M repeats the call it
+    # just made ("weather in Zürich" twice) instead of ending its reply.
+    parallel = _given(params, "parallel_tool_calls", False)
+    if not isinstance(parallel, bool):
+        raise InvalidRequestError(f"`parallel_tool_calls` must be a bool, got {parallel!r}.")
 
     max_tokens = params.get("max_tokens")
     if max_tokens is not None and _integer("max_tokens", max_tokens) < 1:
@@ -157,6 +173,13 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
     if seed is not None and not 0 <= _integer("seed", seed) < 2**64:
         raise InvalidRequestError(f"`seed` must be in [0, 2**64), got {seed}.")
 
+    tag = params.get("tag")
+    if tag is not None and not (isinstance(tag, str) and TAG.fullmatch(tag)):
+        raise InvalidRequestError(f"`tag` must be 1-64 characters of letters, digits, '_', '-', '.' or ':', got {tag!r}.")
+    timeout = params.get("timeout")
+    if timeout is not None and _number("timeout", timeout) <= 0:
+        raise InvalidRequestError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
+
     return GenerationParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -170,5 +193,8 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
         schema=schema,
         response_model=response_model,
         tools=tools,
-        tool_call=tool_call,
+        tool_mode=tool_mode,
+        parallel_tool_calls=parallel,
+        tag=tag,
+        timeout=float(timeout) if timeout is not None else None,
     )

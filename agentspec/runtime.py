@@ -9,6 +9,9 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
   (its KV cache just waits). If it stays stalled for ``abandon_after_s`` the stream is treated as
   abandoned and freed. Streams dropped without ``aclose`` are caught earlier by a finalizer.
 - Fairness: active sequences are stepped round-robin, one step each per cycle.
+- Deadlines: a request with a ``timeout`` that runs past it (queueing included) ends with
+  ``RequestTimeoutError``; what it streamed before stands.
+- Shadow checks (``shadow``) decode one step at a time, only while no request is active or queued.
 - All torch work of a client runs on this one thread, model loading and calibration included
   (``call``). With libgomp, every thread that runs a parallel torch op keeps its own OpenMP team,
   and once a process has more OpenMP threads than cores, every team stops spin-waiting: measured on
@@ -18,6 +21,7 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -25,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from .engine import Engine, Sequence, StepOutput
-from .errors import ClientClosedError, EngineError, EngineOverloadedError
+from .errors import ClientClosedError, EngineError, EngineOverloadedError, RequestTimeoutError
 
 __all__ = ["Runtime", "RequestHandle", "Channel"]
 
@@ -98,6 +102,7 @@ class Runtime:
         self._incoming: list[RequestHandle] = []
         self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._active: list[RequestHandle] = []
+        self._shadows: collections.deque[tuple[Sequence, Callable[[Sequence], None]]] = collections.deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="agentspec-engine", daemon=True)
 
@@ -145,6 +150,11 @@ class Runtime:
     def running(self) -> int:
         return len(self._active) + len(self._incoming)
 
+    def shadow(self, seq: Sequence, check: Callable[[Sequence], None]) -> None:
+        """Worker side (e.g. from ``on_finished``): decode ``seq`` while the engine is otherwise idle,
+        then call ``check(seq)``. Dropped, unchecked, when the runtime stops."""
+        self._shadows.append((seq, check))
+
     # -- worker side -------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -168,9 +178,13 @@ class Runtime:
                 admitted, self._incoming = self._incoming, []
                 jobs, self._jobs = self._jobs, []
                 stopping = self._stopping
-                if not stopping and not admitted and not jobs and not self._active:
+                idle = not stopping and not admitted and not jobs and not self._active
+                if idle and not self._shadows:
                     self._cond.wait()
                     continue
+            if idle:
+                self._shadow_step()
+                continue
             for fn, future in jobs:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -192,6 +206,8 @@ class Runtime:
             if stopping:
                 for handle in list(self._active):
                     self._end(handle, "cancelled")
+                for seq, _ in self._shadows:
+                    self.engine.release(seq)
                 return
             if not self._cycle():
                 with self._cond:  # every active request is waiting for its consumer
@@ -204,6 +220,13 @@ class Runtime:
         for handle in list(self._active):
             if handle.cancelled.is_set():
                 self._end(handle, "cancelled")
+                continue
+            timeout = handle.seq.params.timeout
+            if timeout is not None and time.perf_counter() - handle.seq.submitted_at > timeout:
+                self._fail(handle, RequestTimeoutError(
+                    f"The request ran past its timeout of {timeout:g} s; the events received so far stand. "
+                    "Raise `timeout` or lower `max_tokens`."
+                ))
                 continue
             if handle.channel.pending >= self.max_pending:
                 handle.stalled_since = handle.stalled_since or now
@@ -234,12 +257,35 @@ class Runtime:
         handle.channel.send(StepOutput("", [], seq.finish_reason))
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
-        handle.seq.finish_reason = "error"  # internal only: the stream raises EngineError instead
+        handle.seq.finish_reason = "error"  # internal only: the stream raises the error instead
         self.engine.finish_stats(handle.seq)
-        error = EngineError(f"Decoding failed: {type(exc).__name__}: {exc}. Other requests are unaffected; retry this one.")
-        error.__cause__ = exc
+        if isinstance(exc, RequestTimeoutError):
+            error: Exception = exc
+        else:
+            error = EngineError(f"Decoding failed: {type(exc).__name__}: {exc}. Other requests are unaffected; retry this one.")
+            error.__cause__ = exc
         self._release(handle)
         handle.channel.send(error)
+
+    def _shadow_step(self) -> None:
+        """One step of the oldest shadow sequence (started on its first step)."""
+        seq, check = self._shadows[0]
+        try:
+            if seq not in self.engine:
+                self.engine.start(seq)
+            self.engine.step(seq)
+        except Exception:
+            log.exception("a shadow check failed to decode; dropped")
+            seq.finish_reason = seq.finish_reason or "error"
+        if seq.finish_reason is None:
+            return
+        self._shadows.popleft()
+        self.engine.release(seq)
+        if seq.finish_reason != "error":
+            try:
+                check(seq)
+            except Exception:
+                log.exception("shadow check callback failed")
 
     def _release(self, handle: RequestHandle) -> None:
         self.engine.release(handle.seq)

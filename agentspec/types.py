@@ -45,6 +45,13 @@ class SpecConfig(BaseModel):
     adaptive: bool = True
     ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the drafter matches")
     ngram_max: int = Field(8, ge=1, le=16, description="longest suffix n-gram the drafter matches")
+    shadow_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of finished greedy speculative requests re-decoded plainly when the engine is "
+        "idle, to count disagreements (quality_diff_sampled; any is a bug)",
+    )
 
     @model_validator(mode="after")
     def _ngram_range(self) -> "SpecConfig":
@@ -83,6 +90,8 @@ class SpecStats(BaseModel):
     verify_ms: float = 0.0
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
+    shadow_checks: int = 0  # requests re-decoded plainly by shadow sampling (SpecConfig.shadow_rate)
+    quality_diff_sampled: int = 0  # of those, how many disagreed with their plain decoding: bugs
 
     def derive(self) -> "SpecStats":
         """Recompute the ratios from the counters (after summing or finishing); returns self."""

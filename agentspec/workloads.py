@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Workload", "WORKLOADS", "workload"]
+__all__ = ["WORKLOADS", "Workload", "load_workloads", "workload"]
 
 DOCUMENT = """\
 Release notes for Harbor 4.2
@@ -139,6 +139,38 @@ WORKLOADS: tuple[Workload, ...] = (
         description="open-ended chat: little to copy",
     ),
 )
+
+
+def load_workloads(path: str) -> list[Workload]:
+    """The user's own prompts from a JSONL file, one request per line:
+    ``{"name": str, "messages": [...]}`` (or ``"prompt": str`` for one user message), with optional
+    ``"max_tokens"`` and ``"params"`` (e.g. tools, response_format), as ``Client.stream`` takes them."""
+    import json
+
+    from .params import parse_params
+    from .types import SpecConfig
+
+    items: list[Workload] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or ("messages" in row) == ("prompt" in row):
+                raise ValueError(f'{where}: each line needs exactly one of "messages" or "prompt"')
+            messages = row.get("messages") or [{"role": "user", "content": str(row["prompt"])}]
+            params = row.get("params") or {}
+            parse_params(params, default_spec=SpecConfig())  # fail now, naming the line, not mid-run
+            items.append(
+                Workload(str(row.get("name") or f"line{number}"), messages, int(row.get("max_tokens", 128)), where, params)
+            )
+    if not items:
+        raise ValueError(f"{path}: no requests in the file")
+    return items
 
 
 def workload(name: str) -> Workload:

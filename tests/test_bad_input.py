@@ -55,8 +55,12 @@ async def test_bad_messages(client, messages, needle):
         ({"tools": "x"}, "tools"),
         ({"speculative": "yes"}, "speculative"),
         ({"temprature": 0.5}, "Unknown parameter"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "auto"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 1}, "parallel_tool_calls"),
         ({"tool_choice": "required"}, "needs `tools`"),
+        ({"tag": "has space"}, "tag"),
+        ({"tag": 7}, "tag"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": "soon"}, "timeout"),
     ],
 )
 async def test_bad_params(client, params, needle):
@@ -88,8 +92,10 @@ def test_bad_spec_config():
 def test_bad_client_options():
     with pytest.raises(agentspec.InvalidRequestError, match="spec"):
         agentspec.Client(spec={"enabled": False})
-    with pytest.raises(agentspec.UnsupportedFeatureError, match="draft"):
-        agentspec.Client(draft="early-exit:4")
+    with pytest.raises(agentspec.InvalidRequestError, match="early-exit:N"):
+        agentspec.Client(draft="early-exit:four")
+    with pytest.raises(agentspec.InvalidRequestError, match="`draft`"):
+        agentspec.Client(draft=5)
 
 
 async def test_missing_model_is_a_typed_error(tmp_path):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from agentspec.bench import SYSTEMS, format_table, ngram_oracle_speedup, run_bench
 from agentspec.budget import CostModel
 from agentspec.types import SpecConfig
-from agentspec.workloads import workload
+from agentspec.workloads import load_workloads, workload
 
 
 async def test_bench_rows(client):
@@ -43,3 +47,39 @@ async def test_constrained_workloads_run_only_on_agentspec(client):
     ]
     assert all(r.identical_to_plain and r.tokens == 12 for r in rows)
     assert "tool_call" in format_table(rows)
+
+
+async def test_user_prompts_from_jsonl(client, tmp_path):
+    path = tmp_path / "traffic.jsonl"
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    lines = [
+        {"name": "quote", "prompt": "Repeat exactly: one two three four.", "max_tokens": 6},
+        {"messages": [{"role": "user", "content": "Where is the Louvre? Answer as JSON."}],
+         "params": {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    works = load_workloads(str(path))
+    assert [w.name for w in works] == ["quote", "line2"] and works[1].constrained and works[0].max_tokens == 6
+    rows = await run_bench(client, works, ("agentspec_plain", "agentspec"), max_tokens=6, repeats=2)
+    assert [(r.workload, r.system) for r in rows] == [(w, s) for w in ("quote", "line2") for s in ("agentspec_plain", "agentspec")]
+    for row in rows:
+        assert row.identical_to_plain and row.spread >= 0 and row.tokens_per_pass == round(row.tokens / row.target_forwards, 2)
+    for row in rows:  # accepted tokens are counted by source exactly when some were accepted
+        assert 0 <= row.acceptance <= 1 and (sum(row.accepted_by_source.values()) > 0) == (row.acceptance > 0)
+    assert rows[0].acceptance == 0  # agentspec_plain drafts nothing
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ('{"prompt": "hi"', "traffic.jsonl:1: not JSON"),
+        ('{"name": "x"}', 'exactly one of "messages" or "prompt"'),
+        ('{"prompt": "hi", "params": {"temprature": 1}}', "temprature"),
+        ("", "no requests"),
+    ],
+)
+def test_bad_prompt_files(tmp_path, content, needle):
+    path = tmp_path / "traffic.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=needle):
+        load_workloads(str(path))

@@ -5,7 +5,7 @@ import agentspec
 EXPECTED = {
     "Client", "Stream", "SpecConfig", "SpecStats", "Usage", "Event", "TextDelta", "ToolCallDelta", "ToolCall",
     "Done", "Completion", "AgentSpecError", "InvalidRequestError", "ContextLengthError", "UnsupportedFeatureError",
-    "ModelLoadError", "ClientClosedError", "EngineOverloadedError", "EngineError",
+    "ModelLoadError", "ClientClosedError", "EngineOverloadedError", "RequestTimeoutError", "EngineError",
 }
 
 

@@ -1,6 +1,22 @@
 """Draft sources. Each implements :class:`~agentspec.drafting.base.Drafter`; one file per source."""
 
+from .arbiter import ArbiterDrafter
 from .base import NO_DRAFT, Draft, Drafter
+from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
 from .ngram import NgramDrafter, NgramIndex, propose_ngram
+from .suffix import SuffixCache, SuffixDrafter
 
-__all__ = ["Draft", "Drafter", "NO_DRAFT", "NgramDrafter", "NgramIndex", "propose_ngram"]
+__all__ = [
+    "NO_DRAFT",
+    "ArbiterDrafter",
+    "Draft",
+    "Drafter",
+    "EarlyExitModel",
+    "ModelDrafter",
+    "NgramDrafter",
+    "NgramIndex",
+    "SuffixCache",
+    "SuffixDrafter",
+    "check_vocab_compatible",
+    "propose_ngram",
+]

@@ -1,0 +1,73 @@
+"""The draft sources of one client, and the drafter each request gets from them.
+
+Every request drafts from n-grams of its own prompt and output. Two sources are shared by the
+client's requests: the suffix cache of earlier outputs (filled as requests finish) and, with
+``Client(draft=...)``, a draft model (a separate model, or ``"early-exit:N"``: the target's first N
+layers). As soon as more than one source can propose, an ``ArbiterDrafter`` picks per step the draft
+with the most expected tokens per millisecond; a request with only n-grams gets the n-gram drafter
+itself. Grammar-forced tokens come first in the engine and are never drafted by a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidRequestError, ModelLoadError
+from ..params import GenerationParams
+from .arbiter import ArbiterDrafter
+from .base import Drafter
+from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
+from .ngram import NgramDrafter
+from .suffix import SuffixCache, SuffixDrafter
+
+__all__ = ["DraftSources", "check_draft_reference"]
+
+EARLY_EXIT = "early-exit:"
+
+
+def check_draft_reference(draft: Any) -> None:
+    """Validate ``Client(draft=...)`` before anything loads."""
+    if draft is None:
+        return
+    if not isinstance(draft, str) or not draft:
+        raise InvalidRequestError(
+            f"`draft` must be None, a model reference (folder, .gguf file, cached hub id) or 'early-exit:N', got {draft!r}."
+        )
+    if draft.startswith(EARLY_EXIT) and not draft[len(EARLY_EXIT) :].isdigit():
+        raise InvalidRequestError(f"draft={draft!r}: write 'early-exit:N' with N the number of target layers to draft with, e.g. 'early-exit:8'.")
+
+
+class DraftSources:
+    """The client-wide sources; ``drafter(params)`` is the engine's ``drafter_factory``."""
+
+    def __init__(self, loaded: Any, draft: str | None, costs: Any, *, device: Any = "auto", dtype: Any = "auto") -> None:
+        self.loaded = loaded
+        self.costs = costs
+        self.suffixes = SuffixCache()
+        self.draft_model: Any = None
+        if draft is not None and draft.startswith(EARLY_EXIT):
+            self.draft_model = EarlyExitModel(loaded.model, int(draft[len(EARLY_EXIT) :]))
+        elif draft is not None:
+            from ..model import load_model
+
+            draft_loaded = load_model(draft, device=device, dtype=dtype)
+            if draft_loaded.device != loaded.device:
+                raise ModelLoadError(f"The draft model loaded on {draft_loaded.device} but the target is on {loaded.device}.")
+            check_vocab_compatible(loaded, draft_loaded)
+            self.draft_model = draft_loaded.model
+
+    def drafter(self, params: GenerationParams) -> Drafter | None:
+        spec = params.spec
+        if not spec.enabled or spec.max_draft_tokens == 0:
+            return None
+        ngram = NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
+        sources: list[Drafter] = [ngram]
+        if len(self.suffixes):
+            sources.append(SuffixDrafter(self.suffixes))
+        if self.draft_model is not None:
+            sources.append(ModelDrafter(self.draft_model, params, self.loaded.vocab_size, self.loaded.device))
+        return ngram if len(sources) == 1 else ArbiterDrafter(sources, self.costs)
+
+    def finished(self, output_ids: list[int]) -> None:
+        """A request ended with verified output: later requests may draft from it."""
+        self.suffixes.add(output_ids)
