@@ -1,0 +1,1 @@
+"""Tests of the agent-framework integrations (separate distributions under integrations/)."""

@@ -1,0 +1,1 @@
+"""Tests of langchain-agentspec (integrations/langchain)."""
