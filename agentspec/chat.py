@@ -43,6 +43,8 @@ def _render_tool_calls(tool_calls: Any, where: str) -> str:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise InvalidRequestError(f"{where}: each tool call needs {{'function': {{'name': str, 'arguments': str}}}}, got {call!r}.")
         arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise InvalidRequestError(f"{where}: tool call arguments must be a JSON string or an object, got {arguments!r}.")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
@@ -68,6 +70,8 @@ def normalize_messages(messages: Any, *, system_role: bool = True) -> list[dict[
             raise InvalidRequestError(f"{where}: unknown role {role!r}; use one of {', '.join(ROLES)}.")
         if "content" not in message and not message.get("tool_calls"):
             raise InvalidRequestError(f"{where}: missing 'content'.")
+        if role == "tool" and not (isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
+            raise InvalidRequestError(f"{where}: a 'tool' message needs the `tool_call_id` of the call it answers.")
         text = _text(message.get("content"), where)
         if role == "assistant" and message.get("tool_calls"):
             calls = _render_tool_calls(message["tool_calls"], where)

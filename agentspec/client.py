@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
 import random
 import time
 import weakref
@@ -28,8 +29,8 @@ from .drafting.sources import DraftSources, check_draft_reference
 from .engine import Engine, Sequence, StepOutput
 from .errors import ClientClosedError, ContextLengthError, InvalidRequestError
 from .metrics import MetricsAggregator, log_request
-from .model import LoadedModel, load_model
-from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar
+from .model import DTYPES, LoadedModel, load_model
+from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
 from .params import GenerationParams, parse_params
 from .runtime import Channel, RequestHandle, Runtime
 from .tools import ToolCallParser, with_tool_prompt
@@ -156,7 +157,7 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
     if params.schema is None:
         return None
     compiler = loaded.grammars
-    regex = compiler.regex(params.schema)
+    regex = schema_regex(params.schema)
 
     def build() -> Grammar | RepeatedGrammar | AutoCallGrammar:
         grammar = compiler.compile(params.schema, regex=regex)
@@ -166,6 +167,20 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
         return AutoCallGrammar(calls) if params.tool_mode == "auto" else calls
 
     return build
+
+
+def _check_model_options(model: Any, device: Any, dtype: Any) -> None:
+    """Reject a malformed model reference, device or dtype before anything loads (their existence is
+    checked by loading: a missing file or an absent GPU is a ModelLoadError from ``start``)."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InvalidRequestError(f"`model` must be None, a path or a hub id string, got {model!r}.")
+    if device != "auto":
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InvalidRequestError(f"Unknown `device` {device!r}; use 'auto', 'cpu' or 'cuda[:N]'.") from None
+    if not (isinstance(dtype, torch.dtype) or (isinstance(dtype, str) and (dtype == "auto" or dtype in DTYPES))):
+        raise InvalidRequestError(f"Unknown `dtype` {dtype!r}; use 'auto', one of {', '.join(DTYPES)}, or a torch.dtype.")
 
 
 class Client:
@@ -185,6 +200,7 @@ class Client:
         dtype: str | torch.dtype = "auto",
         spec: SpecConfig = SpecConfig(),
     ) -> None:
+        _check_model_options(model, device, dtype)
         check_draft_reference(draft)
         if not isinstance(spec, SpecConfig):
             raise InvalidRequestError(f"`spec` must be an agentspec.SpecConfig, got {type(spec).__name__}.")

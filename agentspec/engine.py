@@ -36,7 +36,7 @@ from .text import StopMatcher, TokenDecoder
 from .types import SpecStats
 from .verify import verify_greedy, verify_sampling
 
-__all__ = ["Engine", "Sequence", "StepOutput"]
+__all__ = ["Engine", "GrammarDeadEnd", "Sequence", "StepOutput"]
 
 log = logging.getLogger("agentspec.engine")
 
@@ -48,6 +48,10 @@ def default_drafter(params: GenerationParams) -> Drafter | None:
     if not spec.enabled or spec.max_draft_tokens == 0:
         return None
     return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
+
+
+class GrammarDeadEnd(RuntimeError):
+    """No token is allowed where decoding must continue: the request fails (EngineError), no other."""
 
 
 @dataclass(slots=True)
@@ -166,6 +170,11 @@ class Engine:
             draft_probs = draft.probs[: len(draft_tokens)] if draft.probs is not None else None
             target_probs = state.pipeline.probs(logits, draft_tokens, masks)
             accepted, token = verify_sampling(target_probs, draft_tensor, draft_probs, state.generator)
+        if masks is not None and not bool(masks[accepted].any()):  # rows before it accepted a draft token
+            raise GrammarDeadEnd(
+                f"The grammar allows no token after {seq.generated + accepted} generated tokens; the schema cannot "
+                "be continued with this vocabulary. Simplify the schema."
+            )
         self._sync()
         verify_ms = (time.perf_counter() - started) * 1e3
 

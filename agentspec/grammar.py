@@ -16,6 +16,7 @@ rolling back a rejected draft is keeping the state of the committed tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -25,14 +26,86 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, UnsupportedFeatureError
 
-__all__ = ["AutoCallGrammar", "Grammar", "GrammarCompiler", "RepeatedGrammar", "schema_from_response_format"]
+__all__ = [
+    "AutoCallGrammar",
+    "Grammar",
+    "GrammarCompiler",
+    "RepeatedGrammar",
+    "check_enforceable",
+    "schema_from_response_format",
+    "schema_regex",
+]
 
 MAX_FORCED_BYTES = 256  # longest forced text followed ahead of the model
 MAX_CACHED_GRAMMARS = 64  # compiled schemas kept per tokenizer (least recently used dropped)
 MAX_REGEX_CHARS = 200_000  # bigger schemas take too long and too much memory to index
 WHITESPACE = ""  # compact JSON: no optional whitespace anywhere
+
+
+# Keywords outlines_core's regex builder ignores although an output could break them (measured by
+# building each schema with and without the keyword: the same regex). Annotations and keywords that
+# only admit *more* (additionalProperties, patternProperties) are fine: generation adds nothing extra.
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "uniqueItems", "contains", "minContains", "maxContains",
+        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "propertyNames",
+        "if", "then", "else",
+    }
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def check_enforceable(schema: Any, path: str = "") -> None:
+    """Raise UnsupportedFeatureError naming the first keyword the grammar would silently ignore."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_enforceable(item, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for keyword in schema:
+        if keyword in UNENFORCED_KEYWORDS:
+            raise UnsupportedFeatureError(
+                f"The JSON schema uses `{keyword}` at {path or '/'}, which the grammar cannot enforce (outlines_core "
+                "ignores it), so an output could break the schema; remove it and check the value after generation."
+            )
+    for keyword, value in schema.items():
+        if keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_enforceable(sub, f"{path}/{keyword}/{name}")
+        elif keyword in _SUBSCHEMAS:
+            check_enforceable(value, f"{path}/{keyword}")
+
+
+@functools.lru_cache(maxsize=256)
+def _regex(key: str) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    return build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
+
+
+def schema_regex(schema: dict[str, Any]) -> str:
+    """The schema's regular expression (cached; tokenizer-independent). Fast, and raises
+    InvalidRequestError naming what is unsupported, so a request is rejected before any work starts."""
+    try:
+        key = json.dumps(schema)  # property order matters: it is the order fields are generated in
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"The JSON schema is not JSON-serialisable: {exc}.") from None
+    check_enforceable(schema)
+    try:
+        regex = _regex(key)
+    except Exception as exc:  # outlines_core names the unsupported keyword or structure
+        raise InvalidRequestError(f"Unsupported or invalid JSON schema: {exc}".strip()) from None
+    if len(regex) > MAX_REGEX_CHARS:
+        raise InvalidRequestError(
+            f"The JSON schema is too large to compile ({len(regex)} regex characters > {MAX_REGEX_CHARS}); "
+            "bound it (maxLength, maxItems, fewer alternatives) or split the request."
+        )
+    return regex
 
 
 def schema_from_response_format(response_format: Any) -> tuple[dict[str, Any], Any] | None:
@@ -277,33 +350,13 @@ class GrammarCompiler:
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
-    def regex(self, schema: dict[str, Any]) -> str:
-        """The schema's regular expression: fast, and raises InvalidRequestError naming what is
-        unsupported, so a request is rejected before any work starts."""
-        from outlines_core.json_schema import build_regex_from_schema
-
-        try:
-            key = json.dumps(schema)  # property order matters: it is the order fields are generated in
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"The JSON schema is not JSON-serialisable: {exc}.") from None
-        try:
-            regex = build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
-        except Exception as exc:  # outlines_core names the unsupported keyword or structure
-            raise InvalidRequestError(f"Unsupported or invalid JSON schema: {exc}".strip()) from None
-        if len(regex) > MAX_REGEX_CHARS:
-            raise InvalidRequestError(
-                f"The JSON schema is too large to compile ({len(regex)} regex characters > {MAX_REGEX_CHARS}); "
-                "bound it (maxLength, maxItems, fewer alternatives) or split the request."
-            )
-        return regex
-
     def compile(self, schema: dict[str, Any], *, regex: str | None = None) -> Grammar:
         """The grammar of ``schema`` (cached by its regex). Building an index takes milliseconds for a
         small schema and seconds for a permissive one (``{"type": "object"}``): call it off the event
         loop. Raises InvalidRequestError naming what is unsupported."""
         from outlines_core import Index
 
-        regex = regex if regex is not None else self.regex(schema)
+        regex = regex if regex is not None else schema_regex(schema)
         with self._lock:
             if regex in self._cache:
                 self._cache.move_to_end(regex)

@@ -10,15 +10,18 @@ that verified text into ``ToolCallDelta`` events (id and name only in the first)
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
+from .grammar import schema_regex
 from .types import ToolCall, ToolCallDelta
 
 __all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser"]
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; a name never needs JSON escaping
 NAME_PREFIX = '{"name":"'
 ARGUMENTS_MARK = '","arguments":'
 
@@ -45,10 +48,17 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]
         function = tool.get("function") if tool.get("type", "function") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'parameters': {{...}}}}}}.")
+        name = function["name"]
+        if not TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"tools[{i}].function.name {name!r} must be 1-64 letters, digits, '_' or '-'.")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object.")
-        specs.append(ToolSpec(function["name"], str(function.get("description", "")), parameters))
+        try:
+            schema_regex(parameters)
+        except InvalidRequestError as exc:
+            raise type(exc)(f"tools[{i}] ({name!r}).function.parameters: {exc}") from None
+        specs.append(ToolSpec(name, str(function.get("description", "")), parameters))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise InvalidRequestError(f"Tool names must be unique, got {names}.")
@@ -58,7 +68,8 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]
         return specs, "off", ""
     if tool_choice == "required":
         return specs, "forced", ""
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if name not in names:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools: {', '.join(names)}.")
     return specs, "forced", name

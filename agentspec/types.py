@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import InvalidRequestError
 
 __all__ = [
     "SpecConfig",
@@ -52,6 +54,12 @@ class SpecConfig(BaseModel):
         description="share of finished greedy speculative requests re-decoded plainly when the engine is "
         "idle, to count disagreements (quality_diff_sampled; any is a bug)",
     )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:  # bad input belongs to agentspec's error tree
+            raise InvalidRequestError(f"Invalid SpecConfig: {exc}") from None
 
     @model_validator(mode="after")
     def _ngram_range(self) -> "SpecConfig":

@@ -7,6 +7,7 @@ import asyncio
 from typing import Sequence
 
 import pytest
+import torch
 
 import agentspec
 from agentspec.drafting import Draft, NgramDrafter
@@ -109,3 +110,28 @@ async def test_concurrent_starts_load_once_and_close_during_start_wins():
         await task
     with pytest.raises(agentspec.ClientClosedError):
         closing.stream(PROMPT)
+
+
+async def test_grammar_dead_end_fails_one_request_with_a_typed_error(client, loaded, monkeypatch):
+    """A grammar state that allows no token ends its request with EngineError after the text streamed
+    so far; a concurrent request and the client are unaffected."""
+    schema = {"type": "object", "properties": {"dead_end_probe": {"type": "string"}}, "required": ["dead_end_probe"]}
+    grammar = loaded.grammars.compile(schema)  # the instance the request will get (cached by regex)
+    real_mask = grammar.mask
+    dead = grammar.initial_state
+
+    def mask(state):
+        allowed = real_mask(state)
+        return torch.zeros_like(allowed) if state != dead and not grammar.forced(state) else allowed
+
+    monkeypatch.setattr(grammar, "mask", mask)  # dead after the forced `{"dead_end_probe":"`
+    healthy = asyncio.create_task(client.generate(PROMPT, max_tokens=12))
+    fmt = {"type": "json_schema", "json_schema": {"name": "probe", "schema": schema}}
+    received = []
+    with pytest.raises(agentspec.EngineError, match="allows no token"):
+        async for event in client.stream(PROMPT, response_format=fmt, max_tokens=20):
+            received.append(event)
+    assert all(isinstance(e, agentspec.TextDelta) for e in received)  # no Done: the error ended it
+    done = await healthy
+    assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
+    assert client._runtime.engine.active == 0

@@ -1,0 +1,308 @@
+"""Property-based tests (hypothesis): verification, stop strings, detokenization, and the engine.
+
+Each property is checked on generated inputs against a reference that is obviously right:
+- verification: a plain Python loop for greedy; support and acceptance invariants for sampling;
+- stop strings: ``text[:first completed stop]``, however the text is chunked;
+- detokenization: the original string, however the tokens are grouped;
+- the engine (tiny random model): plain decoding's token ids, for random prompts, K and stops.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import pairwise
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from agentspec.drafting import Draft
+from agentspec.engine import Engine
+from agentspec.params import GenerationParams
+from agentspec.text import StopMatcher, TokenDecoder
+from agentspec.types import SpecConfig
+from agentspec.verify import verify_greedy, verify_sampling
+
+from .conftest import decode, tiny_model
+
+FAST = settings(max_examples=200, deadline=None)
+# the `loaded` fixture is session-scoped: reusing it across examples is intended
+WITH_MODEL = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+
+VOCAB = 6  # small, so drafts and targets agree often enough to exercise every branch
+
+
+# -- verification: greedy ------------------------------------------------------------------------------
+
+def greedy_reference(target_tokens: list[int], draft_tokens: list[int]) -> tuple[int, int]:
+    for i, token in enumerate(draft_tokens):
+        if target_tokens[i] != token:
+            return i, target_tokens[i]
+    return len(draft_tokens), target_tokens[len(draft_tokens)]
+
+
+@FAST
+@given(st.integers(0, 8).flatmap(lambda k: st.tuples(
+    st.lists(st.integers(0, VOCAB - 1), min_size=k + 1, max_size=k + 1),
+    st.lists(st.integers(0, 2), min_size=k, max_size=k),  # drafts from a narrower range: long matches happen
+)))
+def test_greedy_matches_the_reference_loop(case):
+    target, draft = case
+    got = verify_greedy(torch.tensor(target), torch.tensor(draft, dtype=torch.long))
+    assert got == greedy_reference(target, draft)
+
+
+# -- verification: sampling ------------------------------------------------------------------------------
+
+def random_probs(generator: torch.Generator, rows: int, sparsity: float, scale: float = 2.0) -> torch.Tensor:
+    """[rows, VOCAB] distributions with some exact zeros (so 'support' means something)."""
+    logits = torch.randn(rows, VOCAB, generator=generator, dtype=torch.float64) * scale
+    dropped = torch.rand(rows, VOCAB, generator=generator, dtype=torch.float64) < sparsity
+    dropped[torch.arange(rows), logits.argmax(dim=1)] = False  # every row keeps at least one token
+    probs = logits.masked_fill(dropped, float("-inf")).softmax(dim=1)
+    return probs.float()
+
+
+def sample_rows(generator: torch.Generator, probs: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+sampling_case = st.fixed_dictionaries(
+    {
+        "k": st.integers(0, 8),
+        "seed": st.integers(0, 2**32 - 1),
+        "sparsity": st.sampled_from([0.0, 0.3, 0.7]),
+        "deterministic": st.booleans(),  # q one-hot (n-gram/grammar drafts) or a draft model's q
+    }
+)
+
+
+@FAST
+@given(sampling_case)
+def test_sampling_accepts_only_possible_tokens_and_returns_one_in_the_right_support(case):
+    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
+    target_probs = random_probs(generator, k + 1, case["sparsity"])
+    if case["deterministic"]:
+        draft_probs = None
+        draft_tokens = torch.randint(0, VOCAB, (k,), generator=generator)  # any token, possible or not
+    else:
+        draft_probs = random_probs(generator, k, case["sparsity"])
+        draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
+
+    accepted, token = verify_sampling(target_probs, draft_tokens, draft_probs, generator)
+
+    assert 0 <= accepted <= k
+    for i in range(accepted):  # an accepted draft token is one the target could have produced
+        assert target_probs[i, draft_tokens[i]] > 0
+    if accepted == k:  # bonus token ~ p at position K
+        assert target_probs[k, token] > 0
+        return
+    p = target_probs[accepted]
+    if draft_probs is None:
+        residual = p.clone()
+        residual[draft_tokens[accepted]] = 0
+    else:
+        residual = (p - draft_probs[accepted]).clamp_min(0)
+    support = residual if residual.sum() > 0 else p
+    assert support[token] > 0, (accepted, token, residual)
+    assert p[token] > 0
+
+
+@FAST
+@given(sampling_case)
+def test_drafting_the_argmax_of_one_hot_targets_is_always_accepted(case):
+    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
+    argmax = torch.randint(0, VOCAB, (k + 1,), generator=generator)
+    target_probs = torch.nn.functional.one_hot(argmax, VOCAB).float()
+    draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
+    accepted, token = verify_sampling(target_probs, argmax[:k], draft_probs, generator)
+    assert (accepted, token) == (k, int(argmax[k]))
+
+
+@FAST
+@given(sampling_case)
+def test_a_draft_distribution_equal_to_the_target_is_always_accepted(case):
+    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
+    target_probs = random_probs(generator, k + 1, case["sparsity"])
+    draft_probs = target_probs[:k].clone()
+    draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
+    accepted, token = verify_sampling(target_probs, draft_tokens, draft_probs, generator)
+    assert accepted == k
+    assert target_probs[k, token] > 0
+
+
+@FAST
+@given(sampling_case)
+def test_sampling_is_a_function_of_the_generator_state(case):
+    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
+    target_probs = random_probs(generator, k + 1, case["sparsity"])
+    draft_tokens = torch.randint(0, VOCAB, (k,), generator=generator)
+    draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
+    runs = [verify_sampling(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# -- stop strings ---------------------------------------------------------------------------------------
+
+ALPHABET = "ab \n:<>/é😀"
+
+
+def first_completed_stop(text: str, stops: list[str]) -> int | None:
+    """Start of the stop string that is completed first when reading left to right (ties: the earlier
+    start, i.e. the longer stop); None if no stop occurs."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return min(hits)[1] if hits else None
+
+
+@st.composite
+def chunked_text_and_stops(draw):
+    text = draw(st.text(ALPHABET, max_size=60))
+    # half of the stops are cut from the text itself, so stops really occur (also overlapping ones)
+    pieces = [text[a:b] for a in range(len(text)) for b in range(a + 1, min(a + 6, len(text)) + 1)]
+    taken = st.sampled_from(pieces) if pieces else st.nothing()
+    stops = draw(st.lists(st.one_of(taken, st.text(ALPHABET, min_size=1, max_size=5)), min_size=0, max_size=4, unique=True))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    bounds = [0, *cuts, len(text)]
+    return text, stops, [text[a:b] for a, b in pairwise(bounds)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(chunked_text_and_stops())
+def test_stop_matcher_emits_the_text_before_the_first_completed_stop_and_never_retracts(case):
+    text, stops, chunks = case
+    cut = first_completed_stop(text, stops)
+    expected = text if cut is None else text[:cut]
+
+    matcher = StopMatcher(stops)
+    emitted, hit = "", False
+    for chunk in chunks:
+        piece, hit = matcher.feed(chunk)
+        emitted += piece
+        assert expected.startswith(emitted), "emitted text must never need retracting"
+        if hit:
+            break
+    if not hit:
+        emitted += matcher.flush()
+    assert hit == (cut is not None)
+    assert emitted == expected
+
+
+# -- detokenization with the real tokenizer's byte table -------------------------------------------------
+
+HARD_CHARS = [
+    "a", "Z", " ", "\n", "\t", ".", "é", "ß", "ñ", "ø",
+    "\u0301", "\u0308", "\u0327",  # combining acute, diaeresis, cedilla
+    "日", "本", "語", "中", "文", "한", "국", "ア",
+    "😀", "🎉", "👍", "\U0001f3fd", "\u200d", "👩", "🇫", "🇷", "🥐", "☕", "\ufe0f",
+    "α", "Ж", "ש", "ع", "—", "…", "€", "“",
+]
+
+
+@settings(max_examples=150, **WITH_MODEL)
+@given(text=st.text(st.sampled_from(HARD_CHARS), max_size=24), data=st.data())
+def test_token_by_token_decoding_reproduces_the_text_without_split_characters(loaded, text, data):
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    # the byte table is exact on these characters: the tokenizer round-trips all of them
+    assert b"".join(loaded.token_bytes[t] for t in ids) == text.encode()
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids) + 1)))
+    bounds = [0, *cuts, len(ids)]
+    decoder = TokenDecoder(loaded.token_bytes)
+    pieces = [decoder.decode(ids[a:b]) for a, b in pairwise(bounds)]
+    for piece in pieces:
+        assert "\ufffd" not in piece, "a piece holds half a character"
+        piece.encode("utf-8")  # a valid str (no lone surrogates)
+    assert "".join(pieces) + decoder.flush() == text
+
+
+# -- the engine: greedy speculative == plain, on a tiny random model --------------------------------------
+
+class NoisyOracleDrafter:
+    """Proposes plain decoding's own continuation (stop token included), each token replaced by a
+    random one with probability ``error_rate``: long accepted runs, rejections at random places, and
+    stops that land inside accepted blocks."""
+
+    def __init__(self, continuation: list[int], rng: random.Random, error_rate: float) -> None:
+        self.continuation, self.rng, self.error_rate = continuation, rng, error_rate
+        self.generated = 0
+
+    def reset(self, prompt) -> None:
+        self.generated = 0
+
+    def propose(self, k: int, after=()) -> Draft:
+        tokens = [
+            self.rng.randrange(200, 3000) if self.rng.random() < self.error_rate else token
+            for token in self.continuation[self.generated : self.generated + k]
+        ]
+        return Draft(tokens, source="ngram", evidence=4)
+
+    def observe(self, committed) -> None:
+        self.generated += len(committed)
+
+
+# Synthetic verification costs (ms by positions): cheap enough that adaptive K speculates, with
+# 8 and 16 positions cheaper than their neighbours so that shorter drafts get padded, as on real
+# hardware. Measuring them instead would make the examples depend on the machine's load.
+COSTS = {p: 1.0 + 0.05 * p for p in range(1, 18)} | {8: 1.2, 16: 1.5}
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(loaded):
+    """Two tiny models: a flat one and a peaky one. Torch runs on one thread meanwhile: with two
+    OpenMP threads on a busy 2-core machine, a tiny multi-position pass took 600 ms instead of 3."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engines = []
+    for seed, init in ((1, 0.3), (2, 1.0)):
+        engine = Engine(tiny_model(loaded, seed=seed, init=init))
+        for positions, ms in COSTS.items():
+            engine.costs.record(positions, ms)
+        engines.append(engine)
+    yield engines
+    torch.set_num_threads(threads)
+
+
+@st.composite
+def engine_case(draw):
+    unit = draw(st.lists(st.integers(200, 3000), min_size=2, max_size=6))  # a repeated unit: n-grams to copy
+    noise = draw(st.lists(st.integers(200, 3000), max_size=4))
+    return {
+        "model": draw(st.integers(0, 1)),
+        "prompt": unit * draw(st.integers(1, 4)) + noise,
+        "k": draw(st.integers(1, 8)),
+        "adaptive": draw(st.booleans()),
+        "max_tokens": draw(st.integers(1, 32)),
+        "drafter": draw(st.sampled_from(["ngram", "oracle", "oracle", "oracle"])),  # n-grams rarely match here
+        "error_rate": draw(st.sampled_from([0.0, 0.2, 0.5])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=150, **WITH_MODEL)
+@given(case=engine_case(), data=st.data())
+def test_greedy_speculative_decoding_equals_plain_decoding(tiny_engines, case, data):
+    engine = tiny_engines[case["model"]]
+    prompt, max_tokens = case["prompt"], case["max_tokens"]
+    unstopped, _ = decode(engine, prompt, GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=False)))
+    text = engine.loaded.tokenizer.decode(unstopped.output_ids)
+    # stop strings taken from what plain decoding says (so they hit), plus one that may not occur
+    pieces = [text[a : a + n] for a in range(len(text)) for n in (1, 2, 3) if a + n <= len(text)]
+    stops = data.draw(st.lists(st.sampled_from(pieces), max_size=2, unique=True)) if pieces else []
+    stops += data.draw(st.lists(st.text("abc ", min_size=1, max_size=3), max_size=1))
+
+    if case["drafter"] == "oracle":
+        continuation, rng = unstopped.tokens[len(prompt) :], random.Random(case["seed"])
+        speculative = Engine(engine.loaded, drafter_factory=lambda params: NoisyOracleDrafter(continuation, rng, case["error_rate"]))
+        speculative.costs = engine.costs
+    else:
+        speculative = engine
+    spec = SpecConfig(max_draft_tokens=case["k"], adaptive=case["adaptive"])
+    reference, reference_text = decode(engine, prompt, GenerationParams(max_tokens=max_tokens, stop=tuple(stops), spec=SpecConfig(enabled=False)))
+    fast, fast_text = decode(speculative, prompt, GenerationParams(max_tokens=max_tokens, stop=tuple(stops), spec=spec))
+    assert fast.output_ids == reference.output_ids
+    assert fast.tokens == reference.tokens  # the stop token too, if any
+    assert fast.finish_reason == reference.finish_reason
+    assert "".join(fast_text) == "".join(reference_text)
+    assert engine.active == speculative.active == 0
+    event(f"finish={fast.finish_reason}")
+    event(f"{case['drafter']}: accepted {'some' if fast.stats.accepted_tokens else 'none'}, rollbacks {'some' if fast.stats.rollbacks else 'none'}")
