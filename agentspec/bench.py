@@ -98,6 +98,10 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
         stops = client.loaded.stop_token_ids
         end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
         return ids[:end], min(end + 1, len(ids)), forwards, None
+    if client._sources is not None:
+        # Each timed request drafts from its own prompt and output only: the bench repeats identical
+        # requests, whose earlier outputs the suffix cache would replay verbatim (real, but not the point).
+        client._sources.suffixes.clear()
     completion = await client.generate(work.messages, max_tokens=max_tokens, speculative=system == "agentspec", **work.params)
     return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes, completion.stats
 

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from langchain.agents import create_agent
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from langchain_agentspec import ChatAgentSpec
@@ -21,6 +21,14 @@ from langchain_agentspec import ChatAgentSpec
 WEATHER_C = {"oslo": 4.0, "paris": 18.0, "cairo": 31.0, "tokyo": 22.0}
 DEFAULT_QUESTION = "What is the weather in Paris?"
 SYSTEM_PROMPT = "You are a weather assistant. Use the tools, then answer in one short sentence."
+# One worked exchange before the question: a 135M model does not open a tool call unprompted, but
+# imitates one it has seen (a large model needs no such example).
+EXAMPLE_TURN = [
+    HumanMessage("What is the weather in Cairo?"),
+    AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Cairo"}, "id": "call_example", "type": "tool_call"}]),
+    ToolMessage("Sunny, 31.0 °C in Cairo.", tool_call_id="call_example", name="get_weather"),
+    AIMessage("It is sunny and 31 °C in Cairo."),
+]
 
 
 @tool
@@ -43,8 +51,9 @@ def main(question: str = DEFAULT_QUESTION, *, max_tokens: int = 96, max_steps: i
         tools=[get_weather, celsius_to_fahrenheit],
         system_prompt=SYSTEM_PROMPT,
     )
-    state = agent.invoke({"messages": [{"role": "user", "content": question}]}, {"recursion_limit": 2 * max_steps + 1})
-    for message in state["messages"]:
+    messages = [*EXAMPLE_TURN, HumanMessage(question)]
+    state = agent.invoke({"messages": messages}, {"recursion_limit": 2 * max_steps + 1})
+    for message in state["messages"][len(EXAMPLE_TURN) :]:
         if isinstance(message, AIMessage) and message.tool_calls:
             for call in message.tool_calls:
                 print(f"-> {call['name']}({call['args']})")
@@ -52,7 +61,7 @@ def main(question: str = DEFAULT_QUESTION, *, max_tokens: int = 96, max_steps: i
             print(f"<- {message.content}")
         else:
             print(f"{message.type}: {message.content}")
-    return state["messages"]
+    return state["messages"][len(EXAMPLE_TURN) :]
 
 
 if __name__ == "__main__":

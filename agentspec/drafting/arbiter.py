@@ -2,8 +2,9 @@
 
 Every step, for each source in order (cheapest first: n-gram, suffix, then a draft model):
 
-1. **Predict** the best rate the source could reach, before running it: expected committed tokens
-   per millisecond, ``expected_tokens(f, k, r) / (draft_ms(k) + verify_ms(k + 1))`` maximised over
+1. **Predict**, for a source that costs real time to run (a draft model; lookups such as n-grams and
+   the suffix cache are always run), the best rate it could reach: expected committed tokens per
+   millisecond, ``expected_tokens(f, k, r) / (draft_ms(k) + verify_ms(k + 1))`` maximised over
    k, from the source's measured acceptance (f first token, r later ones) and measured draft cost.
    If that cannot beat the best draft in hand (at first: no draft, a plain step at
    ``1 / verify_ms(1)``), the source is not run: a model drafter never runs when a cheap draft wins.
@@ -23,9 +24,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..budget import AcceptanceModel, CostModel, expected_tokens
-from .base import NO_DRAFT, Draft, Drafter
+from .base import NO_DRAFT, Draft, Drafter, common_prefix
 
 __all__ = ["ArbiterDrafter"]
+
+# A source cheaper than this per token (a lookup: n-grams, the suffix cache) is always run and judged
+# by its actual draft; predicting it from its average acceptance would silence a long, sure match
+# because short ones failed before.
+CHEAP_DRAFT_MS = 0.5
 
 
 class _Source:
@@ -89,10 +95,12 @@ class ArbiterDrafter:
             source.proposal = None
             if k <= 0:
                 continue
-            first, rest = self.by_source.rate(source.name, 1)
-            length, rate = self._best_length(source, k, first, rest)
-            if length == 0 or (rate <= best_rate and not explore):
-                continue  # cannot win: do not even run it
+            length = k
+            if source.draft_ms(1) > CHEAP_DRAFT_MS:  # costly to run: first predict whether it can win
+                first, rest = self.by_source.rate(source.name, 1)
+                length, rate = self._best_length(source, k, first, rest)
+                if length == 0 or (rate <= best_rate and not explore):
+                    continue  # cannot win: do not even run it
             started = self.clock()
             draft = source.drafter.propose(length, after)
             source.record((self.clock() - started) * 1e3, len(draft.tokens))
@@ -114,7 +122,7 @@ class ArbiterDrafter:
             proposal = source.proposal
             if proposal is not None and proposal.tokens and produced:
                 drafted = min(len(proposal.tokens), len(produced))
-                matched = _common_prefix(proposal.tokens, produced)
+                matched = common_prefix(proposal.tokens, produced)
                 # all `drafted` matched but the proposal went on: only those were tested
                 self.acceptance.observe(source.name, proposal.evidence, drafted, matched)
                 self.by_source.observe(source.name, 1, drafted, matched)
@@ -153,11 +161,3 @@ def _cut(draft: Draft, length: int) -> Draft:
         min(draft.forced, length),
     )
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["Draft", "Drafter", "NO_DRAFT"]
+__all__ = ["Draft", "Drafter", "NO_DRAFT", "common_prefix"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,13 @@ class Drafter(Protocol):
 
     def observe(self, committed: Sequence[int]) -> None:
         """Tokens committed since the last call (verified; never rolled back)."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (how much of a proposal the text confirmed)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

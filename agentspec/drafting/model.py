@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from ..errors import ModelLoadError
 from ..logits import LogitsPipeline
 from ..params import GenerationParams
-from .base import Draft
+from .base import Draft, common_prefix
 
 __all__ = [
     "EarlyExitModel",
@@ -99,7 +99,7 @@ class ModelDrafter:
         if not context:
             return Draft([], self.source)
         # Keep the cached prefix of the context, but feed at least its last token (for its logits).
-        self._crop(min(_common_prefix(self.cached, context), len(context) - 1))
+        self._crop(min(common_prefix(self.cached, context), len(context) - 1))
         logits = self._feed(context[len(self.cached) :])  # [D] scores of the token after `context`
         extra = list(after)  # tokens after the committed ones, for the penalty
         tokens: list[int] = []
@@ -124,7 +124,7 @@ class ModelDrafter:
         """Keep the speculative keys/values that were committed, drop the rest."""
         self.tokens.extend(committed)
         self.pipeline.observe(committed)
-        self._crop(_common_prefix(self.cached, self.tokens))
+        self._crop(common_prefix(self.cached, self.tokens))
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -158,14 +158,6 @@ class ModelDrafter:
         token = int(torch.multinomial(probs, 1, generator=self.generator))
         return token, probs, float(probs[token])
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -73,6 +73,12 @@ class SuffixCache:
                 self._documents.move_to_end(best_id)
         return best
 
+    def clear(self) -> None:
+        """Forget every earlier output."""
+        with self._lock:
+            self._documents.clear()
+            self._size = 0
+
     @property
     def size(self) -> int:
         """Tokens held."""

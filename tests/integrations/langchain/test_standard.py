@@ -74,3 +74,15 @@ class TestChatAgentSpecIntegration(_Capabilities, ChatModelIntegrationTests):
     @pytest.mark.xfail(reason=SMALL_MODEL + "in JSON mode (any object) it does not keep to the requested 'setup'/'punchline' keys", strict=False)
     def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason=SMALL_MODEL + "it fills the runnable tool's `answer_style` argument with an empty string", strict=False)
+    def test_bind_runnables_as_tools(self, model: BaseChatModel) -> None:
+        super().test_bind_runnables_as_tools(model)
+
+    @pytest.mark.xfail(
+        reason=SMALL_MODEL + "asked to pass '你好' it writes an ASCII company name; unicode arguments themselves stream "
+        "intact (agentspec's tests/test_tools.py: 東京, Zürich)",
+        strict=False,
+    )
+    def test_unicode_tool_call_integration(self, model: BaseChatModel, *, tool_choice: str | None = None, force_tool_call: bool = True) -> None:
+        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
