@@ -157,7 +157,7 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
     if params.schema is None:
         return None
     compiler = loaded.grammars
-    regex = schema_regex(params.schema)
+    regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
 
     def build() -> Grammar | RepeatedGrammar | AutoCallGrammar:
         grammar = compiler.compile(params.schema, regex=regex)

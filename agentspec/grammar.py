@@ -88,14 +88,21 @@ def _regex(key: str) -> str:
     return build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
 
 
-def schema_regex(schema: dict[str, Any]) -> str:
+def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
     """The schema's regular expression (cached; tokenizer-independent). Fast, and raises
-    InvalidRequestError naming what is unsupported, so a request is rejected before any work starts."""
+    InvalidRequestError naming what is unsupported, so a request is rejected before any work starts.
+
+    strict: reject keywords the grammar cannot enforce (``UNENFORCED_KEYWORDS``). Structured output is
+    always strict; a tool's parameters only with ``"strict": true``, as OpenAI's function calling:
+    otherwise such keywords (``lt``/``ge`` bounds of a pydantic field, say) reach the model in the tool
+    description but are not enforced.
+    """
     try:
         key = json.dumps(schema)  # property order matters: it is the order fields are generated in
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"The JSON schema is not JSON-serialisable: {exc}.") from None
-    check_enforceable(schema)
+    if strict:
+        check_enforceable(schema)
     try:
         regex = _regex(key)
     except Exception as exc:  # outlines_core names the unsupported keyword or structure

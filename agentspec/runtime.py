@@ -21,11 +21,13 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from .engine import Engine, Sequence, StepOutput
@@ -34,6 +36,18 @@ from .errors import ClientClosedError, EngineError, EngineOverloadedError, Reque
 __all__ = ["Runtime", "RequestHandle", "Channel"]
 
 log = logging.getLogger("agentspec.runtime")
+
+# Runtimes whose worker may still be inside torch at interpreter exit. A daemon thread killed in the
+# middle of a torch op aborts the process ("terminate called without an active exception", seen 1 in
+# 3 exits with a stream left running), so exit stops them first: each finishes its step in flight.
+_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
+EXIT_JOIN_TIMEOUT_S = 10.0
+
+
+@atexit.register
+def _stop_live_runtimes() -> None:
+    for runtime in list(_LIVE):
+        runtime.stop(timeout=EXIT_JOIN_TIMEOUT_S)
 
 
 class Channel:
@@ -110,6 +124,7 @@ class Runtime:
 
     def start(self) -> None:
         self._thread.start()
+        _LIVE.add(self)
 
     def submit(self, handle: RequestHandle) -> None:
         with self._cond:

@@ -55,7 +55,7 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]
         if not isinstance(parameters, dict):
             raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object.")
         try:
-            schema_regex(parameters)
+            schema_regex(parameters, strict=function.get("strict") is True)
         except InvalidRequestError as exc:
             raise type(exc)(f"tools[{i}] ({name!r}).function.parameters: {exc}") from None
         specs.append(ToolSpec(name, str(function.get("description", "")), parameters))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 
 import pytest
 
@@ -158,3 +160,25 @@ async def test_lifecycle_errors():
     with pytest.raises(agentspec.ClientClosedError):
         await client.start()
     await client.aclose()  # idempotent
+
+
+SHUTDOWN_SCRIPT = """
+import asyncio, agentspec
+
+async def main():
+    client = agentspec.Client()
+    await client.start()
+    stream = client.stream([{"role": "user", "content": "Tell me a long story."}], max_tokens=2000)
+    await stream.__anext__()  # decoding is running; neither the stream nor the client is closed
+    print("streaming", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_interpreter_exits_with_a_stream_and_client_left_open():
+    """No hang at interpreter shutdown: the worker thread is a daemon and the stream's finalizer
+    cancels its request when the loop goes away."""
+    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "streaming" in done.stdout

@@ -201,3 +201,21 @@ def test_parser_streams_several_calls_under_any_chunking():
 async def test_bad_tool_requests(client, params, error, needle):
     with pytest.raises(error, match=needle):
         client.stream([{"role": "user", "content": "hi"}], **params)
+
+
+BOUNDED = {
+    "type": "function",
+    "function": {
+        "name": "set_volume",
+        "parameters": {"type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "exclusiveMaximum": 11}}, "required": ["level"]},
+    },
+}
+
+
+async def test_unenforceable_bounds_are_advisory_in_tools_unless_strict(client):
+    """As OpenAI's function calling: a non-strict tool's bounds reach the model but are not enforced;
+    with "strict": true the request is rejected, naming the keyword and the tool."""
+    client.stream([{"role": "user", "content": "hi"}], tools=[BOUNDED], tool_choice="required")  # accepted
+    strict = {"type": "function", "function": {**BOUNDED["function"], "strict": True}}
+    with pytest.raises(agentspec.UnsupportedFeatureError, match=r"tools\[0\] \('set_volume'\).*`minimum`"):
+        client.stream([{"role": "user", "content": "hi"}], tools=[strict], tool_choice="required")
