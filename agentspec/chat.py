@@ -7,6 +7,7 @@ first user message when the template has no system role.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -107,8 +108,16 @@ class ChatFormat:
         except Exception:  # templates that raise on a system role ("System role not supported")
             return False
 
+    @functools.cached_property
+    def _markers(self) -> tuple[str, ...]:
+        """Texts the tokenizer turns into added (special) tokens wherever they appear."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return tuple(str(getattr(token, "content", token)) for token in added.values())
+
     def render(self, messages: Any) -> str:
-        normal = normalize_messages(messages, system_role=self.system_role)
+        return self._render(normalize_messages(messages, system_role=self.system_role))
+
+    def _render(self, normal: list[dict[str, str]]) -> str:
         if not self.has_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in normal) + "assistant: "
         try:
@@ -117,4 +126,25 @@ class ChatFormat:
             raise InvalidRequestError(f"The model's chat template rejected these messages: {exc}") from exc
 
     def encode(self, messages: Any) -> list[int]:
-        return list(self.tokenizer.encode(self.render(messages), add_special_tokens=False))
+        """Token ids of the prompt. Text inside messages never becomes a special token: a message that
+        contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection)."""
+        normal = normalize_messages(messages, system_role=self.system_role)
+        if not any(marker in m["content"] for m in normal for marker in self._markers):
+            return self._ids(self._render(normal))
+        # Render with a sentinel per message, then tokenize the template's text as usual and each
+        # message's text with special-token matching off.
+        sentinels = [f"\x00agentspec-{i}\x00" for i in range(len(normal))]
+        rest = self._render([{**m, "content": sentinel} for m, sentinel in zip(normal, sentinels)])
+        ids: list[int] = []
+        for message, sentinel in zip(normal, sentinels):
+            before, found, rest = rest.partition(sentinel)
+            if not found:
+                raise InvalidRequestError(
+                    "A message contains special-token text (e.g. '<|im_start|>') and this model's chat template "
+                    "rewrites message text, so it cannot be kept inert; remove that text from the message."
+                )
+            ids += self._ids(before) + self._ids(message["content"], split_special_tokens=True)
+        return ids + self._ids(rest)
+
+    def _ids(self, text: str, **options: Any) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False, **options)) if text else []
