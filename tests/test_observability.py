@@ -101,10 +101,12 @@ async def test_shadow_sampling_agrees_with_a_correct_engine(client):
     assert after.quality_diff_sampled == before.quality_diff_sampled
 
 
-def accept_every_draft(target_tokens: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
-    """A broken greedy verifier: accepts the whole draft without looking (plain steps stay right)."""
-    accepted = int(draft.numel())
-    return accepted, int(target_tokens[accepted])
+def corrupt_speculative_steps(target_tokens: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
+    """A broken greedy verifier: whenever there is a draft it commits a wrong token (a neighbouring id);
+    plain steps, which have no draft, stay right, so a plain re-decode is the correct reference."""
+    if draft.numel() == 0:
+        return 0, int(target_tokens[0])
+    return 0, int(target_tokens[0]) ^ 1
 
 
 async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog):
@@ -112,7 +114,7 @@ async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, ca
     before = client.metrics()
     messages = [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red yellow blue."}]
     plain = await client.generate(messages, max_tokens=24, speculative=False)
-    monkeypatch.setattr(engine_module, "verify_greedy", accept_every_draft)
+    monkeypatch.setattr(engine_module, "verify_greedy", corrupt_speculative_steps)
     with caplog.at_level(logging.ERROR, logger="agentspec.client"):
         stream = client.stream(messages, max_tokens=24, speculative=agentspec.SpecConfig(shadow_rate=1.0, adaptive=False))
         async with stream:
