@@ -339,14 +339,15 @@ class Client:
         """Worker thread: a request ended. Count it, log it, maybe schedule its shadow check."""
         self._metrics.add(seq.stats, seq.params.tag)
         log_request(seq)
-        if self._sources is not None and seq.finish_reason in ("stop", "length") and seq.output_ids:
+        completed = seq.finish_reason in ("stop", "length")  # not cancelled, not failed
+        if self._sources is not None and completed and seq.output_ids:
             self._sources.finished(seq.output_ids)
         spec = seq.params.spec
         if (
-            spec.shadow_rate > 0
+            completed
+            and spec.shadow_rate > 0
             and spec.enabled
             and seq.params.greedy
-            and seq.finish_reason in ("stop", "length")
             and self._shadow_rng.random() < spec.shadow_rate
             and self._runtime is not None
         ):

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from .budget import AcceptanceModel, CostModel, choose_draft_length
-from .drafting import NO_DRAFT, Draft, Drafter, NgramDrafter
+from .drafting import NO_DRAFT, Draft, Drafter, ngram_drafter
 from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar
 from .logits import LogitsPipeline
 from .model import LoadedModel
@@ -41,13 +41,6 @@ __all__ = ["Engine", "GrammarDeadEnd", "Sequence", "StepOutput"]
 log = logging.getLogger("agentspec.engine")
 
 DrafterFactory = Callable[[GenerationParams], Drafter | None]
-
-
-def default_drafter(params: GenerationParams) -> Drafter | None:
-    spec = params.spec
-    if not spec.enabled or spec.max_draft_tokens == 0:
-        return None
-    return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
 
 
 class GrammarDeadEnd(RuntimeError):
@@ -92,7 +85,7 @@ class Sequence:
 class Engine:
     """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step``."""
 
-    def __init__(self, loaded: LoadedModel, *, max_draft_tokens: int = 16, drafter_factory: DrafterFactory = default_drafter) -> None:
+    def __init__(self, loaded: LoadedModel, *, max_draft_tokens: int = 16, drafter_factory: DrafterFactory = ngram_drafter) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device

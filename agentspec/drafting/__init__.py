@@ -3,7 +3,7 @@
 from .arbiter import ArbiterDrafter
 from .base import NO_DRAFT, Draft, Drafter
 from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
-from .ngram import NgramDrafter, NgramIndex, propose_ngram
+from .ngram import NgramDrafter, NgramIndex, ngram_drafter, propose_ngram
 from .suffix import SuffixCache, SuffixDrafter
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "SuffixCache",
     "SuffixDrafter",
     "check_vocab_compatible",
+    "ngram_drafter",
     "propose_ngram",
 ]

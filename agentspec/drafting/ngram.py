@@ -7,11 +7,14 @@ the prompt and the output finds those continuations for free (no model runs).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .base import Draft
 
-__all__ = ["propose_ngram", "NgramIndex", "NgramDrafter"]
+if TYPE_CHECKING:
+    from ..params import GenerationParams
+
+__all__ = ["propose_ngram", "NgramIndex", "NgramDrafter", "ngram_drafter"]
 
 
 def propose_ngram(tokens: Sequence[int], k: int, *, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
@@ -89,3 +92,11 @@ class NgramDrafter:
 
     def observe(self, committed: Sequence[int]) -> None:
         self.index.extend(committed)
+
+
+def ngram_drafter(params: GenerationParams) -> NgramDrafter | None:
+    """The n-gram drafter a request's settings ask for; None when it does not speculate."""
+    spec = params.spec
+    if not spec.enabled or spec.max_draft_tokens == 0:
+        return None
+    return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)

@@ -17,7 +17,7 @@ from ..params import GenerationParams
 from .arbiter import ArbiterDrafter
 from .base import Drafter
 from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
-from .ngram import NgramDrafter
+from .ngram import ngram_drafter
 from .suffix import SuffixCache, SuffixDrafter
 
 __all__ = ["DraftSources", "check_draft_reference"]
@@ -57,10 +57,9 @@ class DraftSources:
             self.draft_model = draft_loaded.model
 
     def drafter(self, params: GenerationParams) -> Drafter | None:
-        spec = params.spec
-        if not spec.enabled or spec.max_draft_tokens == 0:
+        ngram = ngram_drafter(params)
+        if ngram is None:
             return None
-        ngram = NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
         sources: list[Drafter] = [ngram]
         if len(self.suffixes):
             sources.append(SuffixDrafter(self.suffixes))
