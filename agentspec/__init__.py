@@ -19,7 +19,7 @@ from .errors import (
     RequestTimeoutError,
     UnsupportedFeatureError,
 )
-from .types import Completion, Done, Event, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
+from .types import Completion, Done, Event, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "Client",
     "Stream",
     "SpecConfig",
+    "Limits",
     "SpecStats",
     "Usage",
     "Event",

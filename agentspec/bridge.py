@@ -133,6 +133,9 @@ class Backend:
             except Exception:  # exiting anyway; the engine threads are daemons
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
+            # Let the loop thread finish dropping the clients before the interpreter shuts down: a
+            # daemon thread still freeing tensors then aborts the process.
+            self._thread.join(CLOSE_TIMEOUT_S)
 
 
 _backend: Backend | None = None

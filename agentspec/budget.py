@@ -11,13 +11,18 @@ Two measured inputs decide every step:
 With first-token acceptance f and later-token acceptance r, verifying k tokens commits on average
 1 + f (1 - r^k) / (1 - r) tokens (the accepted run plus the recovered/bonus token), so the engine
 picks the k in 0..K that maximises that over the cost of k + 1 positions. k = 0 is a plain step.
+
+Under load many sequences share one pass (``choose_lengths``): the pass costs what all their
+positions together cost, so each sequence's drafts are weighed against the cost they add to
+everyone's step. As the batch grows and the device saturates, the extra positions stop paying off
+and every K falls to 0 — from the measured cost curve, not a constant — and comes back when load drops.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["CostModel", "Acceptance", "AcceptanceModel", "choose_draft_length", "expected_tokens"]
+__all__ = ["CostModel", "Acceptance", "AcceptanceModel", "RowBudget", "choose_draft_length", "choose_lengths", "expected_tokens"]
 
 
 class CostModel:
@@ -130,3 +135,43 @@ def choose_draft_length(available: int, first: float, costs: CostModel, rest: fl
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+class RowBudget(NamedTuple):
+    """One sequence's part of a pass: ``fixed`` positions it runs anyway (uncached tokens and
+    grammar-forced drafts, which always verify) committing ``tokens`` on their own, ``available``
+    free draft tokens, and their acceptance (None: verify them all, no choice)."""
+
+    fixed: int
+    tokens: float
+    available: int
+    acceptance: Acceptance | None
+
+
+def choose_lengths(rows: list[RowBudget], costs: CostModel) -> list[int]:
+    """Free draft tokens to verify per row, maximising the tokens committed by the whole pass per
+    millisecond of it. Draft tokens are added one at a time where they gain the most (each row's gains
+    shrink with k), and the best total along the way is kept (the cost curve need not be monotonic)."""
+    lengths = [0 if row.acceptance is not None else row.available for row in rows]
+    positions = sum(row.fixed for row in rows) + sum(lengths)
+    total = sum(row.tokens for row in rows)
+
+    def gain(i: int) -> float:
+        row, k = rows[i], lengths[i]
+        assert row.acceptance is not None
+        first, rest = row.acceptance
+        return expected_tokens(first, k + 1, rest) - expected_tokens(first, k, rest)
+
+    free = [i for i, row in enumerate(rows) if row.acceptance is not None and row.available > 0]
+    best, best_rate = list(lengths), total / costs.effective_cost(positions)
+    while free:
+        i = max(free, key=gain)
+        total += gain(i)
+        lengths[i] += 1
+        positions += 1
+        if lengths[i] == rows[i].available:
+            free.remove(i)
+        rate = total / costs.effective_cost(positions)
+        if rate > best_rate:
+            best, best_rate = list(lengths), rate
+    return best

@@ -32,9 +32,10 @@ from .metrics import MetricsAggregator, log_request
 from .model import DTYPES, LoadedModel, load_model
 from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
 from .params import GenerationParams, parse_params
+from .prefix import PrefixCache
 from .runtime import Channel, RequestHandle, Runtime
 from .tools import ToolCallParser, with_tool_prompt
-from .types import Completion, Done, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
+from .types import Completion, Done, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
 __all__ = ["Client", "Stream"]
 
@@ -199,11 +200,15 @@ class Client:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
         spec: SpecConfig = SpecConfig(),
+        limits: Limits = Limits(),
     ) -> None:
         _check_model_options(model, device, dtype)
         check_draft_reference(draft)
         if not isinstance(spec, SpecConfig):
             raise InvalidRequestError(f"`spec` must be an agentspec.SpecConfig, got {type(spec).__name__}.")
+        if not isinstance(limits, Limits):
+            raise InvalidRequestError(f"`limits` must be an agentspec.Limits, got {type(limits).__name__}.")
+        self.limits = limits
         self.model_ref = model
         self.draft = draft
         self._sources: DraftSources | None = None
@@ -229,12 +234,23 @@ class Client:
         return self
 
     async def _start(self) -> None:
-        runtime = Runtime(on_finished=self._finished)
+        limits = self.limits
+        runtime = Runtime(
+            on_finished=self._finished,
+            abandon_after_s=limits.abandon_after_s,
+            max_queued=limits.max_queued,
+            max_batch=limits.max_batch,
+            kv_budget_bytes=int(limits.kv_cache_mb * 2**20),
+        )
         runtime.start()
 
         def set_up() -> LoadedModel:  # on the worker thread, which runs all of this client's torch work
             loaded = load_model(self.model_ref, device=self.device, dtype=self.dtype)
-            engine = Engine(loaded, max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens))
+            engine = Engine(
+                loaded,
+                max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens),
+                prefix_cache=PrefixCache(int(limits.prefix_cache_mb * 2**20)) if limits.prefix_cache_mb else None,
+            )
             self._sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
             engine.drafter_factory = self._sources.drafter
             engine.calibrate()

@@ -1,18 +1,24 @@
 """The speculative decoding engine: synchronous torch code, driven by one worker thread.
 
-One ``Engine.step(seq)`` advances one sequence:
+One ``Engine.step_many(seqs)`` advances every given sequence by one step, in ONE target pass:
 
-1. **Draft** up to K tokens (n-gram continuation of prompt + output), cut to the length that
-   maximises expected tokens per millisecond (``budget``); K = 0 is a plain decoding step.
-2. **Verify** with one target pass over ``[uncommitted-to-cache tokens] + draft``: the logits
-   pipeline runs at every position with that position's prefix, then greedy matching or rejection
-   sampling (``verify``) yields the accepted run and one recovered/bonus token.
+1. **Draft** per sequence up to K tokens (grammar-forced tokens, then the drafter's continuation);
+   then cut every draft to the length that maximises the tokens the whole pass commits per
+   millisecond of it (``budget.choose_lengths``, from measured acceptance and the measured cost of
+   passes by their number of positions). Under load extra positions stop paying off and K falls to 0.
+2. **Verify**: the sequences' uncached tokens and drafts run packed in one pass (``kv.forward_packed``:
+   per-sequence positions and keys/values, no padding between sequences). Row i of a sequence's
+   logits scores the token after draft[:i], through that sequence's logits pipeline; then greedy
+   matching or rejection sampling (``verify``) yields its accepted run and one recovered/bonus token.
 3. **Commit** token by token, applying the stop rules exactly as plain decoding would (stop tokens,
-   stop strings, max_tokens), then roll the KV cache back to the committed length.
+   stop strings, grammar completion, max_tokens), then roll the sequence's keys/values back to the
+   committed tokens (setting its block's length).
 4. **Account**: statistics, acceptance and cost measurements.
 
-Plain decoding is this loop with K = 0, which is what makes "identical to plain decoding" testable.
-The first step of a sequence is its prefill: the prompt is the uncached input, drafts included.
+Plain decoding is this loop with K = 0, which is what makes "identical to plain decoding" testable;
+a sequence decodes the same alone or in any batch (up to float rounding between pass shapes, as
+between a verification and a plain step). A sequence's first steps are its prefill (chunks of at most
+``PREFILL_CHUNK`` tokens, minus what the prefix cache supplies).
 """
 
 from __future__ import annotations
@@ -24,14 +30,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
 
-from .budget import AcceptanceModel, CostModel, choose_draft_length
+from .budget import AcceptanceModel, CostModel, RowBudget, choose_lengths
 from .drafting import NO_DRAFT, Draft, Drafter, ngram_drafter
+from .errors import ModelLoadError
 from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar
+from .kv import KVBlock, KVLayout, PackedRow, check_packed, forward_packed, use_packed_attention
 from .logits import LogitsPipeline
 from .model import LoadedModel
 from .params import GenerationParams
+from .prefix import PrefixCache
 from .text import StopMatcher, TokenDecoder
 from .types import SpecStats
 from .verify import verify_greedy, verify_sampling
@@ -83,15 +91,29 @@ class Sequence:
 
 
 class Engine:
-    """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step``."""
+    """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step_many``."""
 
-    def __init__(self, loaded: LoadedModel, *, max_draft_tokens: int = 16, drafter_factory: DrafterFactory = ngram_drafter) -> None:
+    PREFILL_CHUNK = 512  # prompt tokens per pass: a long prompt joining a batch delays the others' step by at most this
+    CALIBRATION_SHAPES = (24, 32, 48, 64)  # beyond 1..K+1: the passes of a batch
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_draft_tokens: int = 16,
+        drafter_factory: DrafterFactory = ngram_drafter,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.stop_token_ids = loaded.stop_token_ids
-        self.costs = CostModel(max_positions=max_draft_tokens + 1)
+        use_packed_attention(self.model)
+        self.layout = KVLayout.of(self.model)
+        self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
+        self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
         self.drafter_factory = drafter_factory
+        self.prefix_cache = prefix_cache
         # Per-sequence helpers live here, keyed by the sequence, so `Sequence` stays plain data.
         self._state: dict[Sequence, _SequenceState] = {}
 
@@ -99,33 +121,56 @@ class Engine:
 
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 3) -> None:
-        """Measure every verification shape (also warms the kernels up).
-
-        The fastest of ``repeats`` runs is kept: interference from other processes only adds time.
-        """
-        cache = DynamicCache()
-        self._forward(torch.arange(context, device=self.device).unsqueeze(0) + 100, cache, 1)
-        for positions in range(1, self.costs.max_positions + 1):
+        """Check the packed attention against the model's own, then measure every pass shape (which
+        also warms the kernels up). The fastest of ``repeats`` runs is kept: interference from other
+        processes only adds time."""
+        try:
+            check_packed(self.model, self.layout)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"{self.loaded.name}: this architecture's attention is not supported by agentspec's batched passes ({exc})."
+            ) from exc
+        block = KVBlock(self.layout)
+        self._forward([PackedRow(block, list(range(100, 100 + context)), 1)])
+        for positions in self._calibrate_shapes:
             timings = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                self._forward(torch.full((1, positions), 100, device=self.device), cache, positions)
+                self._forward([PackedRow(block, [100] * positions, positions)])
                 self._sync()
-                cache.crop(-positions)
+                block.length -= positions
                 timings.append((time.perf_counter() - started) * 1e3)
             self.costs.record(positions, min(timings))
 
     def start(self, seq: Sequence) -> None:
-        """Register a sequence; its first ``step`` is the prefill."""
-        self._state[seq] = _SequenceState(self, seq)
+        """Register a sequence; its first ``step`` is the prefill (of what the prefix cache lacks)."""
+        state = _SequenceState(self, seq)
+        if self.prefix_cache is not None:
+            seq.num_cached = self.prefix_cache.fill(state.block, seq.prompt_ids)
+            seq.stats.cached_prompt_tokens = seq.num_cached
+        self._state[seq] = state
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's KV cache and helpers (finished, cancelled or failed)."""
-        self._state.pop(seq, None)
+        """Free a sequence's keys/values and helpers (finished, cancelled or failed). A finished
+        sequence's keys/values go to the prefix cache: the next turn of a conversation starts with them."""
+        state = self._state.pop(seq, None)
+        if state is not None and self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
+            self.prefix_cache.add(seq.tokens[: state.block.length], state.block)
+
+    def close(self) -> None:
+        """Drop every sequence and the prefix cache (their keys/values are freed now)."""
+        self._state.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @property
     def active(self) -> int:
         return len(self._state)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Memory held by the keys/values of active sequences."""
+        return sum(state.block.nbytes for state in self._state.values())
 
     def __contains__(self, seq: Sequence) -> bool:
         """Whether ``seq`` is started and not yet released."""
@@ -133,88 +178,100 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, seq: Sequence) -> StepOutput:
-        state = self._state[seq]
-        params, stats = seq.params, seq.stats
+        """One step of one sequence; raises what failed it."""
+        result = self.step_many([seq])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-        # 1. Draft.
+    @torch.inference_mode()
+    def step_many(self, seqs: list[Sequence]) -> list[StepOutput | Exception]:
+        """One step of every sequence in one target pass: what each committed, or what failed it.
+
+        A failure in one sequence (its drafter, grammar, logits) ends that sequence only. If the
+        shared pass itself fails (out of memory, say), each sequence is retried in a pass of its own,
+        so only the ones that fail alone fail.
+        """
+        results: list[StepOutput | Exception | None] = [None] * len(seqs)
+        plans: list[_Plan] = []
+        for i, seq in enumerate(seqs):
+            try:
+                plans.append(self._state[seq].draft_plan(i))
+            except Exception as exc:
+                results[i] = exc
+        self._choose_lengths(plans)
+        for plan in list(plans):
+            try:
+                plan.finish_draft()
+            except Exception as exc:
+                results[plan.index] = exc
+                plans.remove(plan)
+        self._pad(plans)
+        if plans:
+            started = time.perf_counter()
+            try:
+                logits = self._forward([plan.row for plan in plans])
+            except Exception as exc:
+                if len(plans) == 1:
+                    results[plans[0].index] = exc
+                    plans = []
+                else:
+                    log.warning("a batched pass failed (%s); retrying its %d sequences one by one", exc, len(plans))
+                    for plan in plans:
+                        results[plan.index] = self._step_alone(plan)
+                    plans = []
+            else:
+                self._sync()
+                pass_ms = (time.perf_counter() - started) * 1e3
+                positions = sum(len(plan.row.tokens) for plan in plans)
+                if all(plan.decoding for plan in plans):  # a prefill says nothing about verification cost
+                    self.costs.record(positions, pass_ms)
+                for plan, rows in zip(plans, logits):
+                    try:
+                        results[plan.index] = plan.state.verify_commit(plan, rows, pass_ms)
+                    except Exception as exc:
+                        results[plan.index] = exc
+        return [result if result is not None else RuntimeError("not stepped") for result in results]
+
+    def _step_alone(self, plan: "_Plan") -> StepOutput | Exception:
         started = time.perf_counter()
-        draft = state.draft()
-        draft_tokens = draft.tokens[: state.choose_length(draft)]
-        if draft.tokens and not draft_tokens:
-            stats.fallback_steps += 1  # speculation predicted to lose: a plain step
-        draft_tokens, masks = state.grammar_walk(draft_tokens)  # cut at the first token it rejects
-        forced = min(draft.forced, len(draft_tokens))
-        stats.draft_ms += (time.perf_counter() - started) * 1e3
+        try:
+            (rows,) = self._forward([plan.row])
+            self._sync()
+            return plan.state.verify_commit(plan, rows, (time.perf_counter() - started) * 1e3)
+        except Exception as exc:
+            return exc
 
-        # 2. Verify: one target pass; row i of the logits scores the token after draft[:i].
-        started = time.perf_counter()
-        uncached = seq.tokens[seq.num_cached :]
-        positions = len(draft_tokens) + 1
-        shape = self._shape(positions, seq)
-        pad = [seq.tokens[-1]] * (shape - positions)  # keys/values of padding are cropped below
-        inputs = torch.tensor([uncached + draft_tokens + pad], device=self.device)
-        logits = self._forward(inputs, state.cache, shape)[0, :positions]  # [K+1, V]
-        draft_tensor = torch.tensor(draft_tokens, dtype=torch.long, device=self.device)
-        if params.greedy:
-            accepted, token = verify_greedy(state.pipeline.greedy(logits, draft_tokens, masks), draft_tensor)
-        else:
-            draft_probs = draft.probs[: len(draft_tokens)] if draft.probs is not None else None
-            target_probs = state.pipeline.probs(logits, draft_tokens, masks)
-            accepted, token = verify_sampling(target_probs, draft_tensor, draft_probs, state.generator)
-        if masks is not None and not bool(masks[accepted].any()):  # rows before it accepted a draft token
-            raise GrammarDeadEnd(
-                f"The grammar allows no token after {seq.generated + accepted} generated tokens; the schema cannot "
-                "be continued with this vocabulary. Simplify the schema."
-            )
-        self._sync()
-        verify_ms = (time.perf_counter() - started) * 1e3
+    def _choose_lengths(self, plans: list["_Plan"]) -> None:
+        """Cut every free draft to the length that pays off for the whole pass (``budget.choose_lengths``)."""
+        budgets = [plan.budget() for plan in plans]
+        if not any(b.available for b in budgets):
+            return
+        for plan, length in zip(plans, choose_lengths(budgets, self.costs)):
+            plan.cut(length)
 
-        # 3. Commit, then roll the cache back to the committed tokens (all but the newest one).
-        committed_before = len(seq.tokens)
-        output = state.commit(draft_tokens[:accepted] + [token])
-        cache_length = state.cache.get_seq_length()
-        keep = committed_before + accepted
-        if cache_length > keep:
-            state.cache.crop(keep - cache_length)
-        seq.num_cached = keep
-
-        # 4. Account.
-        stats.target_forward_passes += 1
-        stats.verify_ms += verify_ms
-        if len(uncached) == 1:  # decode steps only: a prefill says nothing about verification cost
-            self.costs.record(shape, verify_ms)
-        if draft_tokens:
-            kept = min(accepted, len(seq.tokens) - committed_before)  # a stop may cut the accepted run
-            stats.drafted_tokens += len(draft_tokens)
-            stats.accepted_tokens += kept
-            by_source = stats.accepted_by_source
-            if forced:
-                by_source["grammar"] = by_source.get("grammar", 0) + min(kept, forced)
-            if kept > forced:
-                by_source[draft.source] = by_source.get(draft.source, 0) + kept - forced
-            stats.rollbacks += accepted < len(draft_tokens)
-            if len(draft_tokens) > forced and accepted >= forced:  # learn about the unforced part only
-                state.acceptance.observe(draft.source, draft.evidence, len(draft_tokens) - forced, accepted - forced)
-        elif draft.tokens and not draft.forced:  # free evidence: would the first token have been accepted?
-            state.acceptance.observe(draft.source, draft.evidence, 1, int(draft.tokens[0] == token))
-        if output.finish_reason is not None:
-            self.finish_stats(seq)
-        return output
+    def _pad(self, plans: list["_Plan"]) -> None:
+        """Pad a verification pass to the cheapest measured shape with at least its positions (on a
+        2-core CPU 2-3 positions cost more than 4-9). Plain passes are never padded, so plain
+        decoding does not depend on timings; padded positions are written past the committed tokens
+        and dropped with the rejected drafts."""
+        if not plans or not all(plan.decoding for plan in plans) or not any(plan.draft_tokens for plan in plans):
+            return
+        positions = sum(len(plan.row.tokens) for plan in plans)
+        pad = self.costs.best_shape(positions) - positions
+        if pad <= 0:
+            return
+        window = self.loaded.context_window
+        plan = max(plans, key=lambda p: window - p.state.block.length - len(p.row.tokens))
+        if window - plan.state.block.length - len(plan.row.tokens) >= pad:
+            plan.row.tokens.extend([plan.row.tokens[-1]] * pad)
+            plan.row.pad = pad
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _shape(self, positions: int, seq: Sequence) -> int:
-        """Positions to run: a verification is padded to the cheapest measured shape, never past the
-        context window. A plain step is never padded, so plain decoding does not depend on timings."""
-        if positions == 1:
-            return 1
-        room = self.loaded.context_window - len(seq.tokens) + 1
-        return max(positions, min(self.costs.best_shape(positions), room))
-
-    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
-        return self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+    def _forward(self, rows: list[PackedRow]) -> list[torch.Tensor]:
+        return forward_packed(self.model, rows)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -237,8 +294,7 @@ class _SequenceState:
     def __init__(self, engine: Engine, seq: Sequence) -> None:
         self.engine, self.seq = engine, seq
         params = seq.params
-        # Full (not sliding-window) layers for every model: only those can be cropped back on rollback.
-        self.cache = DynamicCache()
+        self.block = KVBlock(engine.layout)
         self.pipeline = LogitsPipeline(params, engine.loaded.vocab_size, engine.device)
         self.pipeline.observe(seq.prompt_ids)
         self.generator: torch.Generator | None = None
@@ -280,13 +336,18 @@ class _SequenceState:
         source = rest.source if rest.tokens else "grammar"
         return Draft(tokens, source, rest.probs, rest.evidence, forced=len(forced))
 
-    def choose_length(self, draft: Draft) -> int:
-        """All grammar-forced tokens (they always verify), then what pays off of the rest."""
-        free = len(draft.tokens) - draft.forced
-        if free <= 0 or not self.seq.params.spec.adaptive:
-            return len(draft.tokens)
-        acceptance = self.acceptance.rate(draft.source, draft.evidence)
-        return draft.forced + choose_draft_length(free, acceptance.first, self.engine.costs, acceptance.rest)
+    def draft_plan(self, index: int) -> "_Plan":
+        """This sequence's part of the next pass: a prefill chunk, or its uncached token and a draft."""
+        seq = self.seq
+        started = time.perf_counter()
+        uncached = seq.tokens[seq.num_cached :]
+        if len(uncached) > self.engine.PREFILL_CHUNK:  # a long prompt: this pass only writes its keys/values
+            return _Plan(index, self, NO_DRAFT, PackedRow(self.block, uncached[: self.engine.PREFILL_CHUNK], 0), decoding=False)
+        draft = self.draft()
+        plan = _Plan(index, self, draft, PackedRow(self.block, uncached, 1), decoding=len(uncached) == 1)
+        plan.draft_tokens = list(draft.tokens)
+        plan.draft_ms = (time.perf_counter() - started) * 1e3
+        return plan
 
     def grammar_walk(self, draft: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """The draft up to the first token the grammar rejects, and the mask at each position: [P, V]."""
@@ -301,6 +362,54 @@ class _SequenceState:
         if all(self.grammar.unconstrained(s) for s in states):
             return draft, None
         return draft[: len(states) - 1], torch.stack([self.grammar.mask(s) for s in states])
+
+    def verify_commit(self, plan: "_Plan", logits: torch.Tensor, pass_ms: float) -> StepOutput:
+        """Verify this sequence's draft against its rows of the pass's logits, commit, roll back."""
+        seq, params, stats = self.seq, self.seq.params, self.seq.stats
+        stats.target_forward_passes += 1
+        stats.verify_ms += pass_ms
+        stats.draft_ms += plan.draft_ms
+        if not plan.row.logits:  # a prefill chunk
+            seq.num_cached = self.block.length
+            return StepOutput("", [])
+        draft, draft_tokens, masks = plan.draft, plan.draft_tokens, plan.masks
+        draft_tensor = torch.tensor(draft_tokens, dtype=torch.long, device=self.engine.device)
+        if params.greedy:
+            accepted, token = verify_greedy(self.pipeline.greedy(logits, draft_tokens, masks), draft_tensor)
+        else:
+            draft_probs = draft.probs[: len(draft_tokens)] if draft.probs is not None else None
+            target_probs = self.pipeline.probs(logits, draft_tokens, masks)
+            accepted, token = verify_sampling(target_probs, draft_tensor, draft_probs, self.generator)
+        if masks is not None and not bool(masks[accepted].any()):  # rows before it accepted a draft token
+            raise GrammarDeadEnd(
+                f"The grammar allows no token after {seq.generated + accepted} generated tokens; the schema cannot "
+                "be continued with this vocabulary. Simplify the schema."
+            )
+
+        # Commit, then roll the keys/values back to the committed tokens (all but the newest one).
+        committed_before = len(seq.tokens)
+        output = self.commit(draft_tokens[:accepted] + [token])
+        self.block.length = seq.num_cached = committed_before + accepted
+
+        # Account.
+        forced = plan.forced
+        if draft_tokens:
+            kept = min(accepted, len(seq.tokens) - committed_before)  # a stop may cut the accepted run
+            stats.drafted_tokens += len(draft_tokens)
+            stats.accepted_tokens += kept
+            by_source = stats.accepted_by_source
+            if forced:
+                by_source["grammar"] = by_source.get("grammar", 0) + min(kept, forced)
+            if kept > forced:
+                by_source[draft.source] = by_source.get(draft.source, 0) + kept - forced
+            stats.rollbacks += accepted < len(draft_tokens)
+            if len(draft_tokens) > forced and accepted >= forced:  # learn about the unforced part only
+                self.acceptance.observe(draft.source, draft.evidence, len(draft_tokens) - forced, accepted - forced)
+        elif draft.tokens and not draft.forced:  # free evidence: would the first token have been accepted?
+            self.acceptance.observe(draft.source, draft.evidence, 1, int(draft.tokens[0] == token))
+        if output.finish_reason is not None:
+            self.engine.finish_stats(seq)
+        return output
 
     def commit(self, new_tokens: list[int]) -> StepOutput:
         """Append verified tokens one at a time, stopping exactly where plain decoding would."""
@@ -347,3 +456,40 @@ class _SequenceState:
                 self.drafter = None
         seq.finish_reason = finish
         return StepOutput("".join(text), emitted, finish)
+
+
+class _Plan:
+    """One sequence's part of a pass, from its draft to its row of the packed input."""
+
+    def __init__(self, index: int, state: _SequenceState, draft: Draft, row: PackedRow, *, decoding: bool) -> None:
+        self.index, self.state, self.draft, self.row, self.decoding = index, state, draft, row, decoding
+        self.draft_tokens: list[int] = []
+        self.masks: torch.Tensor | None = None
+        self.forced = 0
+        self.draft_ms = 0.0
+
+    def budget(self) -> RowBudget:
+        draft = self.draft
+        free = len(self.draft_tokens) - draft.forced
+        fixed = len(self.row.tokens) + draft.forced
+        if free <= 0 or not self.state.seq.params.spec.adaptive:
+            return RowBudget(fixed, 1.0 + draft.forced, max(free, 0), None)
+        return RowBudget(fixed, 1.0 + draft.forced, free, self.state.acceptance.rate(draft.source, draft.evidence))
+
+    def cut(self, free: int) -> None:
+        """Keep the forced tokens and ``free`` more."""
+        before = len(self.draft_tokens)
+        self.draft_tokens = self.draft_tokens[: self.draft.forced + free]
+        if before and not self.draft_tokens:
+            self.state.seq.stats.fallback_steps += 1  # speculation predicted to lose: a plain step
+
+    def finish_draft(self) -> None:
+        """Cut the draft at the first token the grammar rejects; append it to the pass's row."""
+        if not self.row.logits:
+            return
+        started = time.perf_counter()
+        self.draft_tokens, self.masks = self.state.grammar_walk(self.draft_tokens)
+        self.forced = min(self.draft.forced, len(self.draft_tokens))
+        self.row.tokens = self.row.tokens + self.draft_tokens
+        self.row.logits = len(self.draft_tokens) + 1
+        self.draft_ms += (time.perf_counter() - started) * 1e3

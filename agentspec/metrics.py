@@ -32,6 +32,7 @@ _COUNTERS = (
     "fallback_steps",
     "draft_ms",
     "verify_ms",
+    "cached_prompt_tokens",
     "shadow_checks",
     "quality_diff_sampled",
 )
@@ -129,6 +130,7 @@ def _render(lines: list[str], prefix: str, stats: SpecStats, label: str) -> None
     metric("fallback_steps_total", "counter", "Steps decoded plainly although a draft existed.", stats.fallback_steps)
     metric("draft_seconds_total", "counter", "Time spent drafting.", stats.draft_ms / 1e3)
     metric("verify_seconds_total", "counter", "Time spent in target passes and verification.", stats.verify_ms / 1e3)
+    metric("cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache, not prefilled.", stats.cached_prompt_tokens)
     metric("shadow_checks_total", "counter", "Greedy requests re-decoded plainly by shadow sampling.", stats.shadow_checks)
     metric("quality_diff_sampled_total", "counter", "Shadow checks that disagreed with plain decoding (bugs).", stats.quality_diff_sampled)
     metric("acceptance_rate", "gauge", "Accepted over drafted tokens.", stats.acceptance_rate)
@@ -151,6 +153,7 @@ def log_request(seq: Sequence) -> None:
         "acceptance": round(stats.acceptance_rate, 3),
         "accepted_by_source": ",".join(f"{k}:{v}" for k, v in sorted(stats.accepted_by_source.items())) or "-",
         "rollbacks": stats.rollbacks,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
         "ttft_ms": round(stats.ttft_ms, 1),
         "tpot_ms": round(stats.tpot_ms, 1),
         "speculative": seq.params.spec.enabled,

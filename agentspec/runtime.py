@@ -8,7 +8,10 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
 - Back-pressure: a request whose consumer has ``max_pending`` undelivered outputs is not stepped
   (its KV cache just waits). If it stays stalled for ``abandon_after_s`` the stream is treated as
   abandoned and freed. Streams dropped without ``aclose`` are caught earlier by a finalizer.
-- Fairness: active sequences are stepped round-robin, one step each per cycle.
+- Batching: every active request that can take a step takes it in the same engine pass
+  (``Engine.step_many``), one step each per cycle, so no stream starves. At most ``max_batch``
+  requests decode at once; the rest wait in a bounded queue (``max_queued``, then
+  ``EngineOverloadedError``), admitted in order as room and the keys/values budget allow.
 - Deadlines: a request with a ``timeout`` that runs past it (queueing included) ends with
   ``RequestTimeoutError``; what it streamed before stands.
 - Shadow checks (``shadow``) decode one step at a time, only while no request is active or queued.
@@ -106,12 +109,16 @@ class Runtime:
         max_pending: int = 64,
         abandon_after_s: float = 60.0,
         max_queued: int = 1024,
+        max_batch: int = 8,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.on_finished = on_finished
         self.max_pending = max_pending
         self.abandon_after_s = abandon_after_s
         self.max_queued = max_queued
+        self.max_batch = max_batch
+        self.kv_budget_bytes = kv_budget_bytes
         self._cond = threading.Condition()
         self._incoming: list[RequestHandle] = []
         self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
@@ -190,10 +197,9 @@ class Runtime:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                admitted, self._incoming = self._incoming, []
                 jobs, self._jobs = self._jobs, []
                 stopping = self._stopping
-                idle = not stopping and not admitted and not jobs and not self._active
+                idle = not stopping and not self._incoming and not jobs and not self._active
                 if idle and not self._shadows:
                     self._cond.wait()
                     continue
@@ -210,7 +216,17 @@ class Runtime:
                 if stopping:
                     return
                 continue
-            for handle in admitted:
+            if stopping:
+                with self._cond:
+                    queued, self._incoming = self._incoming, []
+                for handle in queued + self._active:
+                    self._end(handle, "cancelled")
+                self._shadows.clear()
+                # Free every key/value tensor here, while the interpreter is certainly alive: a tensor
+                # freed by a daemon thread during interpreter shutdown aborts the process.
+                self.engine.close()
+                return
+            for handle in self._admit():
                 try:
                     self.engine.start(handle.seq)
                 except Exception as exc:
@@ -218,30 +234,60 @@ class Runtime:
                     self._fail(handle, exc)
                     continue
                 self._active.append(handle)
-            if stopping:
-                for handle in list(self._active):
-                    self._end(handle, "cancelled")
-                for seq, _ in self._shadows:
-                    self.engine.release(seq)
-                return
             if not self._cycle():
-                with self._cond:  # every active request is waiting for its consumer
+                with self._cond:  # every active request is waiting for its consumer (or none fits yet)
                     self._cond.wait(timeout=0.005)
 
+    def _admit(self) -> list[RequestHandle]:
+        """Queued requests that fit now, in order: at most ``max_batch`` decoding at once, and their
+        keys/values (prompt and 256 tokens of output, estimated) within ``kv_budget_bytes``. One
+        request is always admitted when none is active. Cancelled or timed-out queued requests end here."""
+        assert self.engine is not None
+        with self._cond:
+            waiting, self._incoming = self._incoming, []
+        admitted: list[RequestHandle] = []
+        kept: list[RequestHandle] = []
+        used = self.engine.kv_bytes
+        per_token = self.engine.layout.bytes_per_token
+        for handle in waiting:
+            if handle.cancelled.is_set():
+                self._end(handle, "cancelled")
+                continue
+            if self._timed_out(handle):
+                continue
+            need = (len(handle.seq.prompt_ids) + min(handle.seq.max_new_tokens, 256)) * per_token
+            alone = not self._active and not admitted
+            fits = self.kv_budget_bytes is None or used + need <= self.kv_budget_bytes
+            if len(self._active) + len(admitted) < self.max_batch and (fits or alone) and not kept:
+                admitted.append(handle)
+                used += need
+            else:
+                kept.append(handle)
+        if kept:
+            with self._cond:
+                self._incoming = kept + self._incoming
+        return admitted
+
+    def _timed_out(self, handle: RequestHandle) -> bool:
+        """End a request that ran past its ``timeout`` (queueing included); True if it did."""
+        timeout = handle.seq.params.timeout
+        if timeout is None or time.perf_counter() - handle.seq.submitted_at <= timeout:
+            return False
+        self._fail(handle, RequestTimeoutError(
+            f"The request ran past its timeout of {timeout:g} s; the events received so far stand. "
+            "Raise `timeout` or lower `max_tokens`."
+        ))
+        return True
+
     def _cycle(self) -> bool:
-        """One round-robin pass; True if any sequence advanced."""
-        progressed = False
+        """One step of every active request that can take one, all in one engine pass; True if any advanced."""
         now = time.monotonic()
+        ready: list[RequestHandle] = []
         for handle in list(self._active):
             if handle.cancelled.is_set():
                 self._end(handle, "cancelled")
                 continue
-            timeout = handle.seq.params.timeout
-            if timeout is not None and time.perf_counter() - handle.seq.submitted_at > timeout:
-                self._fail(handle, RequestTimeoutError(
-                    f"The request ran past its timeout of {timeout:g} s; the events received so far stand. "
-                    "Raise `timeout` or lower `max_tokens`."
-                ))
+            if self._timed_out(handle):
                 continue
             if handle.channel.pending >= self.max_pending:
                 handle.stalled_since = handle.stalled_since or now
@@ -250,18 +296,23 @@ class Runtime:
                     self._end(handle, "cancelled")
                 continue
             handle.stalled_since = None
-            try:
-                output = self.engine.step(handle.seq)
-            except Exception as exc:
-                log.exception("decoding failed for one request")
-                self._fail(handle, exc)
+            ready.append(handle)
+        if not ready:
+            return False
+        assert self.engine is not None
+        results = self.engine.step_many([handle.seq for handle in ready])
+        for handle, result in zip(ready, results):
+            if isinstance(result, Exception):
+                log.error("decoding failed for one request", exc_info=result)
+                self._fail(handle, result)
                 continue
-            progressed = True
-            if output.finish_reason is not None:
+            if result.finish_reason is not None:
                 self._release(handle)  # first, so metrics include the request once its Done is seen
-            if not handle.channel.send(output) and output.finish_reason is None:
+            elif not result.token_ids and not result.text:
+                continue  # a prefill chunk: nothing to tell the consumer yet
+            if not handle.channel.send(result) and result.finish_reason is None:
                 self._end(handle, "cancelled")
-        return progressed
+        return True
 
     def _end(self, handle: RequestHandle, reason: str) -> None:
         seq = handle.seq

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import InvalidRequestError
 
 __all__ = [
+    "Limits",
     "SpecConfig",
     "Usage",
     "SpecStats",
@@ -68,6 +69,32 @@ class SpecConfig(BaseModel):
         return self
 
 
+class Limits(BaseModel):
+    """How much a client takes on at once.
+
+    ``max_batch`` requests decode together, sharing every target pass; more wait in a queue of at
+    most ``max_queued`` (then ``EngineOverloadedError``). A request is admitted only while the
+    keys/values of the running ones (and its own estimate: prompt plus 256 output tokens) stay within
+    ``kv_cache_mb`` — a lone request always runs. ``prefix_cache_mb`` keeps finished sequences'
+    keys/values for requests that start with the same tokens (0 turns prefix reuse off). A stream
+    whose consumer reads nothing for ``abandon_after_s`` while its output backs up is freed.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch: int = Field(8, ge=1, le=256, description="requests decoding at once, in one pass per step")
+    max_queued: int = Field(1024, ge=1, description="requests waiting or running before new ones are refused")
+    kv_cache_mb: float = Field(4096, gt=0, description="keys/values of running requests, MiB")
+    prefix_cache_mb: float = Field(512, ge=0, description="keys/values kept for prefix reuse, MiB; 0 = off")
+    abandon_after_s: float = Field(60.0, gt=0, description="a stream unread this long with its output backed up is freed")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise InvalidRequestError(f"Invalid Limits: {exc}") from None
+
+
 class Usage(BaseModel):
     """Token counts. ``completion_tokens`` counts every generated token, a final stop token included."""
 
@@ -98,6 +125,7 @@ class SpecStats(BaseModel):
     verify_ms: float = 0.0
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache (not prefilled)
     shadow_checks: int = 0  # requests re-decoded plainly by shadow sampling (SpecConfig.shadow_rate)
     quality_diff_sampled: int = 0  # of those, how many disagreed with their plain decoding: bugs
 

@@ -57,22 +57,26 @@ def test_failing_drafter_costs_plain_steps_not_output(engine, loaded, fail_obser
 
 
 async def test_failing_forward_ends_one_request_only(client, monkeypatch):
+    """A pass that includes the victim fails (out of memory, say): the batch is retried one sequence
+    at a time, so only the victim fails and the request sharing its passes finishes unchanged."""
     engine = client._runtime.engine
-    real_step = engine.step
+    real_forward = engine._forward
+    expected = await client.generate(PROMPT, max_tokens=16)
 
-    def step(seq):
-        if seq.params.max_tokens == 7:  # the victim request
+    def forward(rows):
+        victims = {state.block for seq, state in engine._state.items() if seq.params.max_tokens == 7}
+        if any(row.block in victims for row in rows):
             raise MemoryError("simulated out of memory")
-        return real_step(seq)
+        return real_forward(rows)
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "_forward", forward)
     healthy = asyncio.create_task(client.generate(PROMPT, max_tokens=16))
     with pytest.raises(agentspec.EngineError, match="out of memory") as info:
         await client.generate(PROMPT, max_tokens=7)
     assert isinstance(info.value.__cause__, MemoryError)
     done = await healthy
-    assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
-    monkeypatch.setattr(engine, "step", real_step)
+    assert done.token_ids == expected.token_ids
+    monkeypatch.setattr(engine, "_forward", real_forward)
     again = await client.generate(PROMPT, max_tokens=7)  # the client keeps serving
     assert again.usage.completion_tokens == 7
     assert engine.active == 0

@@ -3,7 +3,7 @@
 import agentspec
 
 EXPECTED = {
-    "Client", "Stream", "SpecConfig", "SpecStats", "Usage", "Event", "TextDelta", "ToolCallDelta", "ToolCall",
+    "Client", "Stream", "SpecConfig", "Limits", "SpecStats", "Usage", "Event", "TextDelta", "ToolCallDelta", "ToolCall",
     "Done", "Completion", "AgentSpecError", "InvalidRequestError", "ContextLengthError", "UnsupportedFeatureError",
     "ModelLoadError", "ClientClosedError", "EngineOverloadedError", "RequestTimeoutError", "EngineError",
 }

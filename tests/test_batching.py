@@ -1,0 +1,229 @@
+"""Batched passes, prefix reuse, load-aware draft lengths and runtime limits, on the real model.
+
+Every sequence of a batch must decode exactly as it does alone (greedy, plain and speculative); a
+reused prefix must decode as a cold prompt does; limits must give typed errors and never hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import agentspec
+from agentspec.budget import Acceptance, RowBudget, choose_lengths
+from agentspec.engine import Engine, Sequence
+from agentspec.kv import KVBlock, KVLayout
+from agentspec.params import GenerationParams
+from agentspec.prefix import PrefixCache
+from agentspec.types import SpecConfig
+
+from .conftest import decode
+
+PROMPTS = [
+    "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
+    "Write one sentence about the sea.",
+    "List three colours, comma separated.",
+    "Copy this id twice: AB-1234-XY-5678, AB-1234-XY-5678.",
+]
+
+
+def run_batch(engine: Engine, seqs: list[Sequence]) -> None:
+    """Step every unfinished sequence together until all finish; sequences join one step apart."""
+    active: list[Sequence] = []
+    waiting = list(seqs)
+    try:
+        while waiting or active:
+            if waiting:  # staggered joins: the batch holds prefills and decode steps at once
+                seq = waiting.pop(0)
+                engine.start(seq)
+                active.append(seq)
+            for seq, result in zip(list(active), engine.step_many(active)):
+                assert not isinstance(result, Exception), result
+                if result.finish_reason is not None:
+                    active.remove(seq)
+                    engine.release(seq)
+    finally:
+        for seq in active:
+            engine.release(seq)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_batched_greedy_equals_alone(engine, loaded, speculative):
+    spec = SpecConfig(enabled=speculative)
+    params = [GenerationParams(max_tokens=n, spec=spec) for n in (24, 12, 20, 16)]
+    prompts = [loaded.chat.encode([{"role": "user", "content": p}]) for p in PROMPTS]
+    alone = [decode(engine, ids, p)[0].tokens for ids, p in zip(prompts, params)]
+    batch = [Sequence(list(ids), p, max_new_tokens=p.max_tokens) for ids, p in zip(prompts, params)]
+    run_batch(engine, batch)
+    assert [seq.tokens for seq in batch] == alone
+    assert engine.active == 0
+    if speculative:
+        assert sum(seq.stats.accepted_tokens for seq in batch) > 0
+
+
+def test_chunked_prefill_in_a_batch_equals_alone(engine, loaded, monkeypatch):
+    """A prompt longer than the prefill chunk is written over several passes, beside decode steps."""
+    params = GenerationParams(max_tokens=12)
+    prompts = [loaded.chat.encode([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    alone = [decode(engine, ids, params)[0].tokens for ids in prompts]
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 7)
+    batch = [Sequence(list(ids), params, max_new_tokens=12) for ids in prompts]
+    run_batch(engine, batch)
+    assert [seq.tokens for seq in batch] == alone
+    assert batch[0].stats.target_forward_passes > len(prompts[0]) // 7  # the chunks were passes of their own
+
+
+def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
+    """Decided from the measured cost curve: one sequence with good acceptance drafts; 96 of them
+    (past the calibrated shapes, where a pass costs in proportion to its positions) do not."""
+    good = Acceptance(first=0.8, rest=0.8)
+
+    def drafted(rows: int) -> int:
+        return sum(choose_lengths([RowBudget(1, 1.0, 8, good)] * rows, engine.costs))
+
+    assert drafted(1) > 0
+    assert drafted(96) == 0
+    assert drafted(1) > 0  # and it comes back when the load drops
+
+
+def test_batch_lengths_match_brute_force_on_small_cases():
+    from agentspec.budget import CostModel, expected_tokens
+
+    costs = CostModel(max_positions=12)
+    for positions, ms in {1: 40, 2: 62, 3: 75, 4: 60, 5: 62, 6: 66, 8: 70, 10: 80, 12: 95}.items():
+        costs.record(positions, ms)
+    rows = [RowBudget(1, 1.0, 3, Acceptance(0.7, 0.8)), RowBudget(1, 1.0, 3, Acceptance(0.3, 0.5))]
+    chosen = choose_lengths(rows, costs)
+
+    def rate(ks):
+        tokens = sum(expected_tokens(r.acceptance.first, k, r.acceptance.rest) for r, k in zip(rows, ks))
+        return tokens / costs.effective_cost(2 + sum(ks))
+
+    best = max(((a, b) for a in range(4) for b in range(4)), key=rate)
+    assert rate(chosen) == pytest.approx(rate(best), rel=0.02)
+
+
+def test_prefix_reuse_decodes_as_cold(engine, loaded):
+    cache = PrefixCache(max_bytes=512 * 2**20)
+    warm = Engine(loaded, prefix_cache=cache)
+    warm.costs = engine.costs
+    params = GenerationParams(max_tokens=16)
+    first = [{"role": "user", "content": PROMPTS[0]}]
+    seq, _ = decode(warm, loaded.chat.encode(first), params)
+    assert len(cache) == 1 and seq.stats.cached_prompt_tokens == 0
+    answer = loaded.tokenizer.decode(seq.output_ids)
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now say it once."}]
+    ids = loaded.chat.encode(second)
+    reused, _ = decode(warm, ids, params)
+    cold, _ = decode(engine, ids, params)
+    assert reused.tokens == cold.tokens
+    assert reused.stats.cached_prompt_tokens >= len(loaded.chat.encode(first)) - 1
+    assert len(cache) == 1  # the second turn's entry replaced the first (a prefix of it)
+
+
+def test_prefix_cache_is_bounded_and_lru(loaded):
+    layout = KVLayout.of(loaded.model)
+
+    def block(tokens: int) -> KVBlock:
+        b = KVBlock(layout)
+        b.reserve(tokens)
+        b.length = tokens
+        return b
+
+    one = block(20).nbytes
+    cache = PrefixCache(max_bytes=3 * one)
+    for start in range(5):
+        cache.add(list(range(start * 100, start * 100 + 20)), block(20))
+        assert cache.nbytes <= cache.max_bytes
+    assert len(cache) == 3
+    target = KVBlock(layout)
+    assert cache.fill(target, list(range(0, 20)) + [7, 7]) == 0  # the oldest were evicted
+    assert cache.fill(target, list(range(400, 420)) + [7]) == 20
+    assert target.length == 20
+    assert cache.fill(target, list(range(400, 410))) == 0  # too short to be worth it
+
+
+async def test_second_turn_reuses_the_first_turns_keys_and_values(client):
+    first = [{"role": "user", "content": "Describe a lighthouse in two sentences. " * 8}]
+    done = await client.generate(first, max_tokens=12)
+    second = first + [{"role": "assistant", "content": done.text}, {"role": "user", "content": "Shorter."}]
+    again = await client.generate(second, max_tokens=12)
+    assert again.stats.cached_prompt_tokens > done.usage.prompt_tokens - 2
+
+
+async def test_cancelling_one_stream_leaves_the_others_unchanged(client):
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    expected = [await client.generate(m, max_tokens=20) for m in messages[:2]]
+
+    async def cancel_after_two_events():
+        async with client.stream(messages[2], max_tokens=200) as stream:
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+
+    results = await asyncio.gather(*(client.generate(m, max_tokens=20) for m in messages[:2]), cancel_after_two_events())
+    assert [r.token_ids for r in results[:2]] == [e.token_ids for e in expected]
+    assert client._runtime.engine.active == 0
+
+
+async def test_concurrent_requests_share_passes(client, monkeypatch):
+    engine = client._runtime.engine
+    sizes: list[int] = []
+    real = engine.step_many
+
+    def recording(seqs):
+        sizes.append(len(seqs))
+        return real(seqs)
+
+    monkeypatch.setattr(engine, "step_many", recording)
+    await asyncio.gather(*(client.generate([{"role": "user", "content": p}], max_tokens=10) for p in PROMPTS))
+    assert max(sizes) == len(PROMPTS)
+
+
+async def test_queue_full_and_queued_timeout_are_typed_errors(loaded):
+    limits = agentspec.Limits(max_batch=1, max_queued=2, prefix_cache_mb=0)
+    async with agentspec.Client(limits=limits) as small:
+        # Never read: it stalls with its output backed up, holding the one decoding slot until closed.
+        long = small.stream([{"role": "user", "content": "Count from 1 to 100, one number per line."}], max_tokens=300)
+        await long.__aenter__()
+        started = time.perf_counter()
+        with pytest.raises(agentspec.RequestTimeoutError):
+            await small.generate([{"role": "user", "content": "Hi"}], max_tokens=4, timeout=0.3)
+        assert time.perf_counter() - started < 10  # it timed out waiting in the queue; nothing hung
+        queued = small.stream([{"role": "user", "content": "Hi"}], max_tokens=4)
+        await queued.__aenter__()
+        with pytest.raises(agentspec.EngineOverloadedError):
+            await small.generate([{"role": "user", "content": "Hello"}], max_tokens=4)
+        await long.aclose()
+        events = [event async for event in queued]
+        assert events[-1].finish_reason in ("stop", "length")
+
+
+async def test_kv_budget_admits_one_at_a_time_when_tight(loaded, monkeypatch):
+    per_token = KVLayout.of(loaded.model).bytes_per_token
+    limits = agentspec.Limits(kv_cache_mb=60 * per_token / 2**20, prefix_cache_mb=0)  # room for one request
+    async with agentspec.Client(limits=limits) as tight:
+        engine = tight._runtime.engine
+        most = 0
+        real = engine.step_many
+
+        def recording(seqs):
+            nonlocal most
+            most = max(most, len(seqs))
+            return real(seqs)
+
+        monkeypatch.setattr(engine, "step_many", recording)
+        done = await asyncio.gather(*(tight.generate([{"role": "user", "content": p}], max_tokens=6) for p in PROMPTS[:3]))
+        assert most == 1
+        assert all(d.usage.completion_tokens > 0 for d in done)
+
+
+def test_limits_are_checked():
+    with pytest.raises(agentspec.InvalidRequestError, match="max_batch"):
+        agentspec.Limits(max_batch=0)
+    with pytest.raises(agentspec.InvalidRequestError, match="limits"):
+        agentspec.Client(limits={"max_batch": 2})
