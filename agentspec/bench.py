@@ -31,6 +31,7 @@ import torch
 from .budget import CostModel
 from .client import Client
 from .drafting import NgramIndex
+from .loadbench import clear_caches, format_load_table, run_concurrency, second_turn_ttft
 from .types import SpecConfig, SpecStats
 from .workloads import WORKLOADS, Workload, load_workloads, workload
 
@@ -98,10 +99,10 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
         stops = client.loaded.stop_token_ids
         end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
         return ids[:end], min(end + 1, len(ids)), forwards, None
-    if client._sources is not None:
-        # Each timed request drafts from its own prompt and output only: the bench repeats identical
-        # requests, whose earlier outputs the suffix cache would replay verbatim (real, but not the point).
-        client._sources.suffixes.clear()
+    # Each timed request drafts from its own prompt and output only and prefills its whole prompt: the
+    # bench repeats identical requests, which the suffix cache would replay verbatim and the prefix
+    # cache would not prefill (real, but not what these rows measure; see --concurrency for reuse).
+    await clear_caches(client)
     completion = await client.generate(work.messages, max_tokens=max_tokens, speculative=system == "agentspec", **work.params)
     return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes, completion.stats
 
@@ -209,6 +210,8 @@ async def main(args: Any) -> int:
     async with Client(args.model, device=args.device) as client:
         print(f"model {client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}); workloads: "
               f"{', '.join(w.name for w in selected)}", flush=True)
+        if args.concurrency:
+            return await _load_main(client, args, selected)
         cells = sum(1 for w in selected for s in systems if not (w.constrained and s.startswith("hf_")))
         done = itertools.count(1)
         rows = await run_bench(
@@ -226,6 +229,30 @@ async def main(args: Any) -> int:
     print(format_table(rows))
     print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
           + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        print(f"\nrows written to {args.json}")
+    return 0
+
+
+async def _load_main(client: Client, args: Any, selected: list[Workload]) -> int:
+    """``--concurrency``: aggregate throughput, TTFT and TPOT per level; then second-turn TTFT."""
+    try:
+        levels = sorted({int(n) for n in args.concurrency.split(",")})
+    except ValueError:
+        raise SystemExit(f"--concurrency takes comma-separated integers, got {args.concurrency!r}") from None
+    if not levels or levels[0] < 1 or levels[-1] > client.limits.max_batch:
+        raise SystemExit(f"--concurrency levels must be between 1 and the client's max_batch ({client.limits.max_batch})")
+    open_workloads = [w for w in selected if not w.constrained] or selected
+    rows = await run_concurrency(
+        client, levels, open_workloads, max_tokens=args.max_tokens or 64, repeats=args.repeats,
+        on_row=lambda r: print(f"  {r.system:<16} x{r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True),
+    )
+    cold, warm = await second_turn_ttft(client, open_workloads[0], repeats=max(args.repeats, 3))
+    print()
+    print(format_load_table(rows))
+    print(f"\nsecond turn of a conversation ({open_workloads[0].name}): TTFT {warm:.0f} ms with prefix reuse, "
+          f"{cold:.0f} ms cold ({warm / cold:.0%})")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"\nrows written to {args.json}")

@@ -96,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--systems", default="", help="comma-separated subset of: hf_plain, hf_prompt_lookup, agentspec_plain, agentspec")
     bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")
+    bench.add_argument("--concurrency", default=None, metavar="LEVELS", help="e.g. 1,2,4,8: concurrent requests per level; aggregate tok/s, TTFT, TPOT")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     return parser
 

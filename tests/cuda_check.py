@@ -1,0 +1,126 @@
+"""The CUDA path, checked on a GPU machine: ``python -m tests.cuda_check [MODEL] [--out DIR]``.
+
+Not a pytest module (CI has no GPU). It runs the same engine code as on CPU with device="cuda":
+1. equivalence: every prompt decoded plainly alone, speculatively alone, and both ways in one batch,
+   in bf16 (the CUDA default) and fp32; token ids compared, first difference reported;
+2. single-stream speed against transformers' generate (plain and prompt lookup), same process;
+3. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT.
+Results are printed and written to ``DIR/cuda_check.json`` after each part (a timeout keeps what ran).
+It also runs on CPU (``--device cpu``) with small settings, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import agentspec
+from agentspec.bench import run_bench
+from agentspec.engine import Engine, Sequence
+from agentspec.loadbench import run_concurrency, second_turn_ttft
+from agentspec.model import load_model
+from agentspec.params import GenerationParams
+from agentspec.types import SpecConfig
+from agentspec.workloads import WORKLOADS, workload
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def equivalence(model: str | None, device: str, dtype: str, max_tokens: int) -> dict:
+    loaded = load_model(model, device=device, dtype=dtype)
+    engine = Engine(loaded)
+    engine.calibrate()
+    prompts = [loaded.chat.encode(w.messages) for w in WORKLOADS if not w.constrained]
+
+    def alone(ids: list[int], spec: bool) -> list[int]:
+        seq = Sequence(list(ids), GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=spec)), max_new_tokens=max_tokens)
+        engine.start(seq)
+        while seq.finish_reason is None:
+            engine.step(seq)
+        engine.release(seq)
+        return seq.output_ids
+
+    def batched(spec: bool) -> list[list[int]]:
+        seqs = [Sequence(list(ids), GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=spec)), max_new_tokens=max_tokens) for ids in prompts]
+        for seq in seqs:
+            engine.start(seq)
+        active = list(seqs)
+        while active:
+            for seq, result in zip(list(active), engine.step_many(active)):
+                if isinstance(result, Exception):
+                    raise result
+                if result.finish_reason is not None:
+                    active.remove(seq)
+                    engine.release(seq)
+        return [seq.output_ids for seq in seqs]
+
+    plain = [alone(ids, False) for ids in prompts]
+    spec = [alone(ids, True) for ids in prompts]
+    batch_plain, batch_spec = batched(False), batched(True)
+    return {
+        "dtype": str(loaded.dtype),
+        "prompts": len(prompts),
+        "tokens": [len(p) for p in plain],
+        "speculative_vs_plain": [first_difference(p, s) for p, s in zip(plain, spec)],
+        "batched_plain_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_plain)],
+        "batched_speculative_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_spec)],
+        "pass_ms_by_positions": {p: round(engine.costs.cost(p), 2) for p in (1, 2, 4, 8, 17, 32, 64)},
+    }
+
+
+async def speed(model: str | None, device: str, max_tokens: int | None, repeats: int, levels: list[int], report: dict, save) -> None:
+    limits = agentspec.Limits(max_batch=max(levels))
+    async with agentspec.Client(model, device=device, limits=limits) as client:
+        names = ["document_answer", "summary", "code_edit", "open_chat", "tool_call", "extraction"]
+        rows = await run_bench(client, [workload(n) for n in names], max_tokens=max_tokens, repeats=repeats)
+        report["single_stream"] = [asdict(r) for r in rows]
+        save()
+        open_workloads = [w for w in WORKLOADS if not w.constrained]
+        load = await run_concurrency(client, levels, open_workloads, max_tokens=max_tokens or 64, repeats=repeats)
+        report["concurrency"] = [asdict(r) for r in load]
+        save()
+        cold, warm = await second_turn_ttft(client, open_workloads[0], repeats=3)
+        report["second_turn_ttft_ms"] = {"cold": round(cold, 1), "warm": round(warm, 1)}
+        save()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--levels", default="1,2,4,8,16")
+    args = parser.parse_args()
+    out = Path(args.out) / "cuda_check.json"
+    report: dict = {"torch": torch.__version__, "device": args.device}
+    if args.device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name(0)
+
+    def save() -> None:
+        out.write_text(json.dumps(report, indent=1))
+        print(json.dumps(report)[-3000:], flush=True)
+
+    started = time.perf_counter()
+    for dtype in ("bfloat16", "float32") if args.device.startswith("cuda") else ("float32",):
+        report[f"equivalence_{dtype}"] = equivalence(args.model, args.device, dtype, max_tokens=args.max_tokens or 48)
+        save()
+    levels = [int(n) for n in args.levels.split(",")]
+    asyncio.run(speed(args.model, args.device, args.max_tokens, args.repeats, levels, report, save))
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+
+
+if __name__ == "__main__":
+    main()
