@@ -83,3 +83,19 @@ def test_bad_prompt_files(tmp_path, content, needle):
     path.write_text(content)
     with pytest.raises(ValueError, match=needle):
         load_workloads(str(path))
+
+
+async def test_concurrency_rows_and_second_turn_ttft(client):
+    from agentspec.loadbench import format_load_table, run_concurrency, second_turn_ttft
+
+    works = [workload("document_answer"), workload("open_chat")]
+    rows = await run_concurrency(client, [1, 2], works, max_tokens=4, rounds=2)
+    assert [(r.system, r.concurrency) for r in rows] == [(s, n) for s in ("agentspec_plain", "agentspec") for n in (1, 2)]
+    for row in rows:
+        assert row.requests == 2 * row.concurrency
+        assert row.requests <= row.tokens <= 4 * row.requests
+        assert row.tokens_per_s > 0 and row.ttft_ms > 0 and row.tokens_per_pass >= 1.0
+    assert rows[0].scaling == 1.0 and rows[1].scaling == round(rows[1].tokens_per_s / rows[0].tokens_per_s, 2)
+    assert "concurrency" in format_load_table(rows)
+    cold, warm = await second_turn_ttft(client, workload("document_answer"), repeats=1)
+    assert cold > 0 and warm > 0  # speed is the bench's to report; reuse itself: tests/test_batching.py
