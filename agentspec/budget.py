@@ -33,10 +33,19 @@ class CostModel:
     def __init__(self, max_positions: int) -> None:
         self.max_positions = max_positions
         self._ms: list[float | None] = [None] * (max_positions + 1)
+        # What each further sequence in a pass adds (its attention call per layer, its logits rows),
+        # measured at calibration. The curve itself is kept for one sequence, so every shape stays
+        # comparable whichever batches it was measured in.
+        self.segment_ms = 0.0
 
-    def record(self, positions: int, ms: float) -> None:
+    def pass_cost(self, positions: int, segments: int = 1) -> float:
+        """Expected ms of a pass over ``positions`` positions from ``segments`` sequences, padded."""
+        return self.effective_cost(positions) + (segments - 1) * self.segment_ms
+
+    def record(self, positions: int, ms: float, segments: int = 1) -> None:
         if positions > self.max_positions:
             return
+        ms = max(ms - (segments - 1) * self.segment_ms, 0.1)
         old = self._ms[positions]
         self._ms[positions] = ms if old is None else old + self.SMOOTHING * (ms - old)
 
@@ -163,7 +172,8 @@ def choose_lengths(rows: list[RowBudget], costs: CostModel) -> list[int]:
         return expected_tokens(first, k + 1, rest) - expected_tokens(first, k, rest)
 
     free = [i for i, row in enumerate(rows) if row.acceptance is not None and row.available > 0]
-    best, best_rate = list(lengths), total / costs.effective_cost(positions)
+    overhead = (len(rows) - 1) * costs.segment_ms  # the same whatever the drafts: part of every candidate
+    best, best_rate = list(lengths), total / (costs.effective_cost(positions) + overhead)
     while free:
         i = max(free, key=gain)
         total += gain(i)
@@ -171,7 +181,7 @@ def choose_lengths(rows: list[RowBudget], costs: CostModel) -> list[int]:
         positions += 1
         if lengths[i] == rows[i].available:
             free.remove(i)
-        rate = total / costs.effective_cost(positions)
+        rate = total / (costs.effective_cost(positions) + overhead)
         if rate > best_rate:
             best, best_rate = list(lengths), rate
     return best

@@ -141,6 +141,22 @@ class Engine:
                 block.length -= positions
                 timings.append((time.perf_counter() - started) * 1e3)
             self.costs.record(positions, min(timings))
+        self._calibrate_segments(context, repeats)
+
+    def _calibrate_segments(self, context: int, repeats: int, segments: int = 8) -> None:
+        """What each further sequence adds to a pass: ``segments`` sequences of one token each against
+        one sequence of ``segments`` tokens (same positions, same linear layers)."""
+        blocks = [KVBlock(self.layout) for _ in range(segments)]
+        self._forward([PackedRow(b, list(range(100, 100 + context)), 1) for b in blocks])
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self._forward([PackedRow(b, [100], 1) for b in blocks])
+            self._sync()
+            timings.append((time.perf_counter() - started) * 1e3)
+            for b in blocks:
+                b.length -= 1
+        self.costs.segment_ms = max(0.0, (min(timings) - self.costs.cost(segments)) / (segments - 1))
 
     def start(self, seq: Sequence) -> None:
         """Register a sequence; its first ``step`` is the prefill (of what the prefix cache lacks)."""
@@ -226,7 +242,7 @@ class Engine:
                 pass_ms = (time.perf_counter() - started) * 1e3
                 positions = sum(len(plan.row.tokens) for plan in plans)
                 if all(plan.decoding for plan in plans):  # a prefill says nothing about verification cost
-                    self.costs.record(positions, pass_ms)
+                    self.costs.record(positions, pass_ms, segments=len(plans))
                 for plan, rows in zip(plans, logits):
                     try:
                         results[plan.index] = plan.state.verify_commit(plan, rows, pass_ms)

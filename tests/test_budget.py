@@ -242,3 +242,11 @@ def test_acceptance_rate_stays_a_probability(steps):
         model.observe("ngram", 2, drafted=drafted, accepted=min(accepted, drafted))
         first, rest = model.rate("ngram", 2)
         assert 0.0 <= first <= 1.0 and 0.0 <= rest <= 1.0
+
+
+def test_passes_of_many_sequences_keep_the_curve_per_sequence():
+    costs = CostModel(max_positions=8)
+    costs.segment_ms = 2.0
+    costs.record(8, 70.0, segments=6)  # 10 ms of it were the 5 further sequences
+    assert costs.cost(8) == 60.0
+    assert costs.pass_cost(8, segments=6) == 70.0
