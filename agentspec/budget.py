@@ -172,8 +172,7 @@ def choose_lengths(rows: list[RowBudget], costs: CostModel) -> list[int]:
         return expected_tokens(first, k + 1, rest) - expected_tokens(first, k, rest)
 
     free = [i for i, row in enumerate(rows) if row.acceptance is not None and row.available > 0]
-    overhead = (len(rows) - 1) * costs.segment_ms  # the same whatever the drafts: part of every candidate
-    best, best_rate = list(lengths), total / (costs.effective_cost(positions) + overhead)
+    best, best_rate = list(lengths), total / costs.pass_cost(positions, len(rows))
     while free:
         i = max(free, key=gain)
         total += gain(i)
@@ -181,7 +180,7 @@ def choose_lengths(rows: list[RowBudget], costs: CostModel) -> list[int]:
         positions += 1
         if lengths[i] == rows[i].available:
             free.remove(i)
-        rate = total / (costs.effective_cost(positions) + overhead)
+        rate = total / costs.pass_cost(positions, len(rows))
         if rate > best_rate:
             best, best_rate = list(lengths), rate
     return best
