@@ -1,10 +1,10 @@
-"""Property-based tests (hypothesis): verification, stop strings, detokenization, and the engine.
+"""Property-based tests (hypothesis): verification, detokenization, and the engine.
 
 Each property is checked on generated inputs against a reference that is obviously right:
 - verification: a plain Python loop for greedy; support and acceptance invariants for sampling;
-- stop strings: ``text[:first completed stop]``, however the text is chunked;
 - detokenization: the original string, however the tokens are grouped;
 - the engine (tiny random model): plain decoding's token ids, for random prompts, K and stops.
+Stop strings under any chunking: tests/test_text.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from agentspec.drafting import Draft
 from agentspec.engine import Engine
 from agentspec.params import GenerationParams
-from agentspec.text import StopMatcher, TokenDecoder
+from agentspec.text import TokenDecoder
 from agentspec.types import SpecConfig
 from agentspec.verify import verify_greedy, verify_sampling
 
@@ -141,51 +141,6 @@ def test_sampling_is_a_function_of_the_generator_state(case):
     draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
     runs = [verify_sampling(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert runs[0] == runs[1]
-
-
-# -- stop strings ---------------------------------------------------------------------------------------
-
-ALPHABET = "ab \n:<>/é😀"
-
-
-def first_completed_stop(text: str, stops: list[str]) -> int | None:
-    """Start of the stop string that is completed first when reading left to right (ties: the earlier
-    start, i.e. the longer stop); None if no stop occurs."""
-    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return min(hits)[1] if hits else None
-
-
-@st.composite
-def chunked_text_and_stops(draw):
-    text = draw(st.text(ALPHABET, max_size=60))
-    # half of the stops are cut from the text itself, so stops really occur (also overlapping ones)
-    pieces = [text[a:b] for a in range(len(text)) for b in range(a + 1, min(a + 6, len(text)) + 1)]
-    taken = st.sampled_from(pieces) if pieces else st.nothing()
-    stops = draw(st.lists(st.one_of(taken, st.text(ALPHABET, min_size=1, max_size=5)), min_size=0, max_size=4, unique=True))
-    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    bounds = [0, *cuts, len(text)]
-    return text, stops, [text[a:b] for a, b in pairwise(bounds)]
-
-
-@settings(max_examples=400, deadline=None)
-@given(chunked_text_and_stops())
-def test_stop_matcher_emits_the_text_before_the_first_completed_stop_and_never_retracts(case):
-    text, stops, chunks = case
-    cut = first_completed_stop(text, stops)
-    expected = text if cut is None else text[:cut]
-
-    matcher = StopMatcher(stops)
-    emitted, hit = "", False
-    for chunk in chunks:
-        piece, hit = matcher.feed(chunk)
-        emitted += piece
-        assert expected.startswith(emitted), "emitted text must never need retracting"
-        if hit:
-            break
-    if not hit:
-        emitted += matcher.flush()
-    assert hit == (cut is not None)
-    assert emitted == expected
 
 
 # -- detokenization with the real tokenizer's byte table -------------------------------------------------

@@ -113,9 +113,33 @@ def longest_held(text: str, stops: list[str]) -> int:
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
+@st.composite
+def stream_with_stops_from_text(draw):
+    """Like ``stream``, with a wider alphabet (multi-byte characters, markup) and half of the stops cut
+    from the text itself, so stops really occur, overlapping ones included."""
+    alphabet = "ab \n:<>/é😀"
+    text = draw(st.text(alphabet, max_size=60))
+    pieces = [text[a:b] for a in range(len(text)) for b in range(a + 1, min(a + 6, len(text)) + 1)]
+    taken = st.sampled_from(pieces) if pieces else st.nothing()
+    stops = draw(st.lists(st.one_of(taken, st.text(alphabet, min_size=1, max_size=5)), max_size=4, unique=True))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    bounds = [0, *cuts, len(text)]
+    return text, stops, [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 @settings(max_examples=500, deadline=None)
 @given(stream())
 def test_stream_emits_exactly_the_text_before_the_first_stop(case):
+    check_stream(case)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream_with_stops_from_text())
+def test_stream_with_stops_from_the_text(case):
+    check_stream(case)
+
+
+def check_stream(case: tuple[str, list[str], list[str]]) -> None:
     text, stops, chunks = case
     cut = first_stop_cut(text, stops)
     expected = text if cut is None else text[:cut]
