@@ -137,13 +137,10 @@ def expected_tokens(first: float, k: int, rest: float | None = None) -> float:
 
 
 def choose_draft_length(available: int, first: float, costs: CostModel, rest: float | None = None) -> int:
-    """The k in 0..available with the most expected tokens per millisecond (0 = plain step)."""
-    best_k, best_rate = 0, 1.0 / costs.effective_cost(1)
-    for k in range(1, available + 1):
-        rate = expected_tokens(first, k, rest) / costs.effective_cost(k + 1)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+    """The k in 0..available with the most expected tokens per millisecond (0 = plain step): the
+    case of one sequence alone in its pass (``choose_lengths``)."""
+    acceptance = Acceptance(first, first if rest is None else rest)
+    return choose_lengths([RowBudget(1, 1.0, available, acceptance)], costs)[0]
 
 
 class RowBudget(NamedTuple):
