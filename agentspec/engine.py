@@ -225,39 +225,32 @@ class Engine:
                 plans.remove(plan)
         self._pad(plans)
         if plans:
-            started = time.perf_counter()
-            try:
-                logits = self._forward([plan.row for plan in plans])
-            except Exception as exc:
-                if len(plans) == 1:
-                    results[plans[0].index] = exc
-                    plans = []
-                else:
-                    log.warning("a batched pass failed (%s); retrying its %d sequences one by one", exc, len(plans))
-                    for plan in plans:
-                        results[plan.index] = self._step_alone(plan)
-                    plans = []
-            else:
-                self._sync()
-                pass_ms = (time.perf_counter() - started) * 1e3
-                positions = sum(len(plan.row.tokens) for plan in plans)
-                if all(plan.decoding for plan in plans):  # a prefill says nothing about verification cost
-                    self.costs.record(positions, pass_ms, segments=len(plans))
-                for plan, rows in zip(plans, logits):
-                    try:
-                        results[plan.index] = plan.state.verify_commit(plan, rows, pass_ms)
-                    except Exception as exc:
-                        results[plan.index] = exc
+            self._run_pass(plans, results)
         return [result if result is not None else RuntimeError("not stepped") for result in results]
 
-    def _step_alone(self, plan: "_Plan") -> StepOutput | Exception:
+    def _run_pass(self, plans: list["_Plan"], results: list[StepOutput | Exception | None]) -> None:
+        """One target pass over ``plans``, then each one's verification and commit into ``results``.
+        If the pass itself fails with several sequences in it, each is retried in a pass of its own."""
         started = time.perf_counter()
         try:
-            (rows,) = self._forward([plan.row])
+            logits = self._forward([plan.row for plan in plans])
             self._sync()
-            return plan.state.verify_commit(plan, rows, (time.perf_counter() - started) * 1e3)
         except Exception as exc:
-            return exc
+            if len(plans) == 1:
+                results[plans[0].index] = exc
+                return
+            log.warning("a batched pass failed (%s); retrying its %d sequences one by one", exc, len(plans))
+            for plan in plans:
+                self._run_pass([plan], results)
+            return
+        pass_ms = (time.perf_counter() - started) * 1e3
+        if all(plan.decoding for plan in plans):  # a prefill says nothing about verification cost
+            self.costs.record(sum(len(plan.row.tokens) for plan in plans), pass_ms, segments=len(plans))
+        for plan, rows in zip(plans, logits):
+            try:
+                results[plan.index] = plan.state.verify_commit(plan, rows, pass_ms)
+            except Exception as exc:
+                results[plan.index] = exc
 
     def _choose_lengths(self, plans: list["_Plan"]) -> None:
         """Cut every free draft to the length that pays off for the whole pass (``budget.choose_lengths``)."""
