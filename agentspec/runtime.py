@@ -245,6 +245,8 @@ class Runtime:
         assert self.engine is not None
         with self._cond:
             waiting, self._incoming = self._incoming, []
+        if not waiting:  # the common case, every cycle: no key/value accounting needed
+            return []
         admitted: list[RequestHandle] = []
         kept: list[RequestHandle] = []
         used = self.engine.kv_bytes
