@@ -324,6 +324,7 @@ class _SequenceState:
             self.drafter.reset(seq.prompt_ids)
         self.grammar = seq.grammar
         self.grammar_state = seq.grammar.initial_state if seq.grammar is not None else 0
+        self.draft_forced = "grammar" in params.spec.sources  # else forced text is decoded a token per pass
 
     def draft(self) -> Draft:
         """Grammar-forced tokens first, then the drafter's continuation after them.
@@ -335,7 +336,7 @@ class _SequenceState:
         k = min(seq.params.spec.max_draft_tokens, room) if seq.params.spec.enabled else 0
         if k <= 0:
             return NO_DRAFT
-        forced = self.grammar.forced(self.grammar_state)[:k] if self.grammar is not None else []
+        forced = self.grammar.forced(self.grammar_state)[:k] if self.grammar is not None and self.draft_forced else []
         if self.drafter is None or len(forced) >= k:
             return Draft(forced, "grammar", forced=len(forced)) if forced else NO_DRAFT
         try:

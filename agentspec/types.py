@@ -26,6 +26,8 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+DraftSource = Literal["grammar", "ngram", "suffix", "model"]
+DRAFT_SOURCES: tuple[DraftSource, ...] = ("grammar", "ngram", "suffix", "model")
 
 
 class SpecConfig(BaseModel):
@@ -39,6 +41,11 @@ class SpecConfig(BaseModel):
     to pin K. Seeded sampling is reproducible with a pinned K (or ``enabled=False``); with adaptive K
     the draft lengths follow measured timings, so one seed may give different, equally distributed,
     samples. Greedy output never depends on K.
+
+    ``sources`` names the draft sources a request may use: ``"grammar"`` (tokens a structured-output
+    grammar forces), ``"ngram"`` (n-grams of the prompt and output), ``"suffix"`` (the client's cache
+    of earlier outputs) and ``"model"`` (``Client(draft=...)``, when given). Leaving one out changes
+    speed only, never output: the grammar's mask still applies to every token.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,6 +55,7 @@ class SpecConfig(BaseModel):
     adaptive: bool = True
     ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix n-gram the drafter matches")
     ngram_max: int = Field(8, ge=1, le=16, description="longest suffix n-gram the drafter matches")
+    sources: tuple[DraftSource, ...] = Field(DRAFT_SOURCES, min_length=1, description="draft sources a request may use")
     shadow_rate: float = Field(
         0.0,
         ge=0.0,
@@ -66,6 +74,8 @@ class SpecConfig(BaseModel):
     def _ngram_range(self) -> "SpecConfig":
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if len(set(self.sources)) != len(self.sources):
+            raise ValueError(f"sources lists a source twice: {self.sources}")
         return self
 
 

@@ -245,6 +245,9 @@ async def test_bad_speculative(client, speculative):
         ({"enabled": "maybe"}, "enabled"),
         ({"adaptive": None}, "adaptive"),
         ({"K": 4}, "K"),
+        ({"sources": ("ngrams",)}, "sources"),
+        ({"sources": ()}, "sources"),
+        ({"sources": ("ngram", "ngram")}, "twice"),
     ],
     ids=repr,
 )

@@ -97,6 +97,6 @@ class NgramDrafter:
 def ngram_drafter(params: GenerationParams) -> NgramDrafter | None:
     """The n-gram drafter a request's settings ask for; None when it does not speculate."""
     spec = params.spec
-    if not spec.enabled or spec.max_draft_tokens == 0:
+    if not spec.enabled or spec.max_draft_tokens == 0 or "ngram" not in spec.sources:
         return None
     return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)

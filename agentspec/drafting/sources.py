@@ -57,15 +57,20 @@ class DraftSources:
             self.draft_model = draft_loaded.model
 
     def drafter(self, params: GenerationParams) -> Drafter | None:
-        ngram = ngram_drafter(params)
-        if ngram is None:
+        """The request's drafter over the sources it allows (``SpecConfig.sources``) that can propose now."""
+        spec = params.spec
+        if not spec.enabled or spec.max_draft_tokens == 0:
             return None
-        sources: list[Drafter] = [ngram]
-        if len(self.suffixes):
+        sources: list[Drafter] = []
+        if (ngram := ngram_drafter(params)) is not None:
+            sources.append(ngram)
+        if "suffix" in spec.sources and len(self.suffixes):
             sources.append(SuffixDrafter(self.suffixes))
-        if self.draft_model is not None:
+        if "model" in spec.sources and self.draft_model is not None:
             sources.append(ModelDrafter(self.draft_model, params, self.loaded.vocab_size, self.loaded.device))
-        return ngram if len(sources) == 1 else ArbiterDrafter(sources, self.costs)
+        if len(sources) <= 1:
+            return sources[0] if sources else None
+        return ArbiterDrafter(sources, self.costs)
 
     def finished(self, output_ids: list[int]) -> None:
         """A request ended with verified output: later requests may draft from it."""

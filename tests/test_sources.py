@@ -1,0 +1,44 @@
+"""``SpecConfig.sources``: each draft source on its own, or any mix, gives plain decoding's output;
+only the sources allowed draft tokens. (The bench's per-source rows rely on this.)"""
+
+from __future__ import annotations
+
+import pytest
+
+import agentspec
+from agentspec.workloads import workload
+
+SUBSETS = [("grammar",), ("ngram",), ("suffix",), ("grammar", "suffix"), ("grammar", "ngram", "suffix")]
+
+
+@pytest.fixture(scope="module")
+async def plain_outputs(client):
+    """Plain output of each workload, and a client suffix cache holding it (the suffix source's food)."""
+    outputs = {}
+    for name in ("tool_call", "document_answer"):
+        work = workload(name)
+        outputs[name] = (await client.generate(work.messages, max_tokens=24, speculative=False, **work.params)).token_ids
+    return outputs
+
+
+@pytest.mark.parametrize("sources", SUBSETS, ids="+".join)
+@pytest.mark.parametrize("name", ["tool_call", "document_answer"])
+async def test_each_source_alone_and_mixed_equals_plain(client, plain_outputs, name, sources):
+    work = workload(name)
+    spec = agentspec.SpecConfig(sources=sources)
+    done = await client.generate(work.messages, max_tokens=24, speculative=spec, **work.params)
+    assert done.token_ids == plain_outputs[name]
+    assert set(done.stats.accepted_by_source) <= set(sources), done.stats.accepted_by_source
+    drafting = set(sources) & ({"grammar", "ngram", "suffix"} if work.constrained else {"ngram", "suffix"})
+    # every allowed source that can propose here does: the tool call's envelope is forced text, and
+    # the suffix cache holds this very output from an earlier request (the fixture's, or the last test's)
+    assert done.stats.accepted_tokens > 0 if drafting else done.stats.drafted_tokens == 0
+    if "suffix" in sources:
+        assert done.stats.accepted_by_source.get("suffix", 0) > 0
+
+
+async def test_no_source_drafts_nothing_but_forced_masks_still_apply(client, plain_outputs):
+    work = workload("tool_call")
+    done = await client.generate(work.messages, max_tokens=24, speculative=agentspec.SpecConfig(sources=("model",)), **work.params)
+    assert done.token_ids == plain_outputs["tool_call"]  # no draft model on this client: nothing drafts
+    assert done.stats.drafted_tokens == 0 and done.stats.target_forward_passes == 24
