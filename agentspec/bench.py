@@ -3,20 +3,31 @@
 Systems (all greedy, same stop tokens, same max_tokens):
 - ``hf_plain``          transformers ``generate(do_sample=False)``
 - ``hf_prompt_lookup``  transformers ``generate(prompt_lookup_num_tokens=10)`` (n-gram assisted)
+- ``outlines``          outlines' own constrained generation (``outlines.Generator`` over the same
+                        transformers model, the same JSON schema, compact whitespace)
 - ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
-- ``agentspec``         agentspec with speculation
+- ``agentspec[S+...]``  agentspec drafting from the named sources only (``SpecConfig.sources``):
+                        each source on its own, where the workload gives it something to draft
+- ``agentspec``         agentspec with speculation, every source
+
+A system runs where it can do the task: transformers ``generate`` has no grammar, so not on the
+constrained workloads (tool call, extraction, agent loop); outlines only on those (one request each);
+``agentspec[grammar]`` only under a grammar, ``agentspec[suffix]`` only on the agent loop (every
+other timed request starts with the suffix cache cleared), ``agentspec[model]`` only with a draft
+model; a subset of sources only where it leaves out one that applies (else it is ``agentspec``).
 
 Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain,
 spread, acceptance, tokens_per_pass, accepted_by_source} (``seconds`` is the median of the repeats,
 ``spread`` their (max − min) / median),
-where ``identical_to_plain`` compares token ids with the first system run (``hf_plain`` by default;
-``agentspec_plain`` under the same grammar for the constrained workloads, tool call and extraction,
-which transformers' ``generate`` cannot run). Speed is always a ratio against a
-baseline measured in the same process, never an absolute claim.
+where ``identical_to_plain`` compares the output with the first system run (``hf_plain`` by default;
+``agentspec_plain`` under the same grammar for the constrained workloads; outlines by text, as it
+returns text). Speed is always a ratio against a baseline measured in the same process, never an
+absolute claim.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import statistics
@@ -31,13 +42,61 @@ import torch
 from .budget import CostModel
 from .client import Client
 from .drafting import NgramIndex
+from .metrics import sum_stats
+from .params import parse_params
+from .tools import with_tool_prompt
 from .loadbench import clear_caches, format_load_table, run_concurrency, second_turn_ttft
-from .types import SpecConfig, SpecStats
+from .types import DRAFT_SOURCES, Completion, SpecConfig, SpecStats
 from .workloads import WORKLOADS, Workload, load_workloads, workload
 
-__all__ = ["BenchRow", "SYSTEMS", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
+__all__ = ["BenchRow", "SYSTEMS", "applies", "parse_system", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
 
-SYSTEMS = ("hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec")
+PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
+# each source alone; every source but the suffix cache (what it adds on the agent loop); all
+SYSTEMS = (*PEERS, *(f"agentspec[{source}]" for source in DRAFT_SOURCES), "agentspec[grammar+ngram]", "agentspec")
+
+
+def parse_system(system: str) -> tuple[str, ...] | None:
+    """The draft sources of an agentspec system (``"agentspec[grammar+ngram]"``), None for a peer.
+
+    Raises ValueError for a name that is neither.
+    """
+    if system == "agentspec":
+        return DRAFT_SOURCES
+    if system in PEERS:
+        return None
+    if system.startswith("agentspec[") and system.endswith("]"):
+        sources = tuple(system[len("agentspec[") : -1].split("+"))
+        if sources and set(sources) <= set(DRAFT_SOURCES) and len(set(sources)) == len(sources):
+            return sources
+    raise ValueError(
+        f"unknown system {system!r}; choose from {', '.join(PEERS)}, agentspec, or agentspec[S+...] with S in "
+        f"{', '.join(DRAFT_SOURCES)}"
+    )
+
+
+def applicable_sources(work: Workload, client: Client) -> tuple[str, ...]:
+    """The draft sources that have something to draft on this workload."""
+    return tuple(
+        source for source in DRAFT_SOURCES
+        if source == "ngram"
+        or (source == "grammar" and work.constrained)
+        or (source == "suffix" and work.is_loop)
+        or (source == "model" and client.draft is not None)
+    )
+
+
+def applies(system: str, work: Workload, client: Client) -> bool:
+    """Whether ``system`` runs on ``work`` (see the module docstring)."""
+    if system.startswith("hf_"):
+        return not work.constrained
+    if system == "outlines":
+        return work.constrained and not work.is_loop
+    sources = parse_system(system)
+    if sources is None or system == "agentspec":
+        return True
+    useful = set(applicable_sources(work, client))
+    return set(sources) < useful  # a proper subset: otherwise the same run as ``agentspec``
 
 
 @dataclass
@@ -89,8 +148,72 @@ def _hf_generate(client: Client, prompt_ids: list[int], max_tokens: int, **extra
     return output[0, len(prompt_ids) :].tolist(), counter.count
 
 
-async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> tuple[list[int], int, int, SpecStats | None]:
-    """Returns (output ids without the stop token, tokens generated, target forward passes, stats)."""
+def _outlines_generate(client: Client, work: Workload, max_tokens: int) -> tuple[str, int]:
+    """outlines' own constrained generation over the client's transformers model: (text, forwards).
+
+    The prompt is the text agentspec renders for the request (tool section included) and the schema
+    the one agentspec compiles, with compact whitespace as agentspec's grammar.
+    """
+    try:
+        import outlines
+        from outlines.types import JsonSchema
+    except ImportError:
+        raise SystemExit("the outlines peer needs the outlines package: pip install 'agentspec[bench]'") from None
+    loaded = client.loaded
+    params = parse_params(work.params, default_spec=client.spec)
+    messages = with_tool_prompt(work.messages, list(params.tools)) if params.tools else work.messages
+    key = (id(loaded.model), json.dumps(params.schema))
+    generator = _OUTLINES.get(key)
+    if generator is None:  # built once per schema: its index build is not what the rows time
+        model = outlines.from_transformers(loaded.model, loaded.tokenizer)
+        generator = _OUTLINES[key] = outlines.Generator(model, JsonSchema(params.schema, whitespace_pattern=""))
+    counter = _ForwardCounter(loaded.model)
+    try:
+        text = generator(loaded.chat.render(messages), max_new_tokens=max_tokens, do_sample=False)
+    finally:
+        counter.close()
+    return text, counter.count
+
+
+_OUTLINES: dict[tuple[int, str], Any] = {}
+
+
+@dataclass
+class _Run:
+    """One timed run of a system on a workload."""
+
+    output: list[int] | str  # token ids; text for outlines, which returns text
+    tokens: int  # generated, a final stop token included
+    forwards: int  # target forward passes
+    stats: SpecStats | None = None  # agentspec systems, summed over a loop's requests
+
+
+def _collect(completions: list[Completion]) -> _Run:
+    stats = sum_stats(c.stats for c in completions)
+    ids = [t for completion in completions for t in completion.token_ids]
+    return _Run(ids, sum(c.usage.completion_tokens for c in completions), stats.target_forward_passes, stats)
+
+
+async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: SpecConfig | bool) -> list[Completion]:
+    """Every task of an agent-loop workload: call the tool, return its result, take the reply."""
+    completions = []
+    for number, task in enumerate(work.tasks):
+        messages = [*work.messages, {"role": "user", "content": task}]
+        call = await client.generate(messages, max_tokens=max_tokens, speculative=spec, **work.params)
+        completions.append(call)
+        if not call.tool_calls:  # cut off by max_tokens: no result to reply to
+            continue
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in call.tool_calls
+        ]})
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ticket": f"INC-{4100 + number}", "status": "open"})}
+                     for c in call.tool_calls]
+        reply_params = {**work.params, "tool_choice": "none"}
+        completions.append(await client.generate(messages, max_tokens=max_tokens, speculative=spec, **reply_params))
+    return completions
+
+
+async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> _Run:
     if system in ("hf_plain", "hf_prompt_lookup"):
         prompt_ids = client.loaded.chat.encode(work.messages)
         extra = {"prompt_lookup_num_tokens": 10} if system == "hf_prompt_lookup" else {}
@@ -98,13 +221,28 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
         ids, forwards = await client.run_on_worker(lambda: _hf_generate(client, prompt_ids, max_tokens, **extra))
         stops = client.loaded.stop_token_ids
         end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-        return ids[:end], min(end + 1, len(ids)), forwards, None
-    # Each timed request drafts from its own prompt and output only and prefills its whole prompt: the
-    # bench repeats identical requests, which the suffix cache would replay verbatim and the prefix
-    # cache would not prefill (real, but not what these rows measure; see --concurrency for reuse).
+        return _Run(ids[:end], min(end + 1, len(ids)), forwards)
+    if system == "outlines":
+        text, forwards = await client.run_on_worker(lambda: _outlines_generate(client, work, max_tokens))
+        return _Run(text, forwards, forwards)
+    sources = parse_system(system)
+    spec: SpecConfig | bool = False if sources is None else client.spec.model_copy(update={"sources": sources})
+    # Each timed request (a loop: each loop) drafts from its own prompt and output only and prefills
+    # its whole prompt: the bench repeats identical requests, which the suffix cache would replay
+    # verbatim and the prefix cache would not prefill (real, but not what these rows measure; see
+    # --concurrency for reuse). Inside an agent loop both caches work as they would for an agent.
     await clear_caches(client)
-    completion = await client.generate(work.messages, max_tokens=max_tokens, speculative=system == "agentspec", **work.params)
-    return completion.token_ids, completion.usage.completion_tokens, completion.stats.target_forward_passes, completion.stats
+    if work.is_loop:
+        return _collect(await _agent_loop(client, work, max_tokens, spec))
+    return _collect([await client.generate(work.messages, max_tokens=max_tokens, speculative=spec, **work.params)])
+
+
+def _same_output(run: _Run, reference: _Run, client: Client) -> bool:
+    if isinstance(run.output, str) == isinstance(reference.output, str):
+        return run.output == reference.output
+    ids = reference.output if isinstance(run.output, str) else run.output
+    text = run.output if isinstance(run.output, str) else reference.output
+    return client.loaded.tokenizer.decode(ids) == text
 
 
 async def run_bench(
@@ -116,35 +254,40 @@ async def run_bench(
     repeats: int = 1,
     on_row: Callable[[BenchRow], None] = lambda row: None,
 ) -> list[BenchRow]:
-    """Time every system on every workload (median of ``repeats`` after one warm-up run)."""
+    """Time every system on every workload it applies to (median of ``repeats`` after one warm-up run)."""
     rows: list[BenchRow] = []
     systems = tuple(systems)
+    for system in systems:
+        parse_system(system)  # an unknown name fails before anything runs
     for work in workloads:
         limit = max_tokens or work.max_tokens
-        reference: list[int] | None = None
-        for system in systems:
-            if work.constrained and system.startswith("hf_"):
-                continue  # transformers' generate has no grammar: not the same task
+        chosen = [system for system in systems if applies(system, work, client)]
+        # the reference output: transformers plain, or agentspec plain under the same grammar
+        first = "agentspec_plain" if work.constrained else "hf_plain"
+        chosen.sort(key=lambda system: system != first)
+        reference: _Run | None = None
+        for system in chosen:
             await _run_system(client, system, work, min(limit, 8))  # warm-up
-            timings, ids, tokens, forwards, stats = [], [], 0, 0, None
+            timings, run = [], None
             for _ in range(repeats):
                 started = time.perf_counter()
-                ids, tokens, forwards, stats = await _run_system(client, system, work, limit)
+                run = await _run_system(client, system, work, limit)
                 timings.append(time.perf_counter() - started)
-            if reference is None:
-                reference = ids  # the first system (hf_plain by default) is the reference output
+            assert run is not None
+            reference = reference or run
             seconds = statistics.median(timings)
+            stats = run.stats
             row = BenchRow(
                 workload=work.name,
                 system=system,
-                tokens=tokens,
+                tokens=run.tokens,
                 seconds=round(seconds, 4),
-                tokens_per_s=round(tokens / seconds, 2),
-                target_forwards=forwards,
-                identical_to_plain=ids == reference,
+                tokens_per_s=round(run.tokens / seconds, 2),
+                target_forwards=run.forwards,
+                identical_to_plain=_same_output(run, reference, client),
                 spread=round((max(timings) - min(timings)) / seconds, 3),
                 acceptance=round(stats.acceptance_rate, 3) if stats else 0.0,
-                tokens_per_pass=round(tokens / forwards, 2) if forwards else 0.0,
+                tokens_per_pass=round(run.tokens / run.forwards, 2) if run.forwards else 0.0,
                 accepted_by_source=dict(stats.accepted_by_source) if stats else {},
             )
             rows.append(row)
@@ -176,48 +319,62 @@ def ngram_oracle_speedup(prompt_ids: list[int], output_ids: list[int], costs: Co
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    """Rows plus speedups against transformers plain, its prompt lookup, and agentspec plain."""
+    """Rows plus speedups against transformers plain, its prompt lookup, outlines and agentspec plain."""
     baseline = {(r.workload, r.system): r.tokens_per_s for r in rows}
 
     def ratio(row: BenchRow, system: str) -> str:
         base = baseline.get((row.workload, system))
         return f"{row.tokens_per_s / base:.2f}" if base else "-"
 
+    width = max([17, *(len(r.system) for r in rows)])
     header = (
-        f"{'workload':<16} {'system':<17} {'tokens':>6} {'tok/s':>7} {'spread':>6} {'passes':>6} {'tok/pass':>8} "
-        f"{'accept':>6} {'×hf':>6} {'×lookup':>8} {'×plain':>7} {'identical':>9}"
+        f"{'workload':<16} {'system':<{width}} {'tokens':>6} {'tok/s':>7} {'spread':>6} {'passes':>6} {'tok/pass':>8} "
+        f"{'accept':>6} {'×hf':>6} {'×lookup':>8} {'×outlines':>9} {'×plain':>7} {'identical':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.workload:<16} {r.system:<17} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.spread:>6.0%} {r.target_forwards:>6} "
-            f"{r.tokens_per_pass:>8.2f} {r.acceptance:>6.0%} {ratio(r, 'hf_plain'):>6} {ratio(r, 'hf_prompt_lookup'):>8} {ratio(r, 'agentspec_plain'):>7} "
-            f"{str(r.identical_to_plain):>9}"
+            f"{r.workload:<16} {r.system:<{width}} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.spread:>6.0%} {r.target_forwards:>6} "
+            f"{r.tokens_per_pass:>8.2f} {r.acceptance:>6.0%} {ratio(r, 'hf_plain'):>6} {ratio(r, 'hf_prompt_lookup'):>8} "
+            f"{ratio(r, 'outlines'):>9} {ratio(r, 'agentspec_plain'):>7} {str(r.identical_to_plain):>9}"
         )
     return "\n".join(lines)
+
+
+def suffix_gain(rows: list[BenchRow]) -> dict[str, tuple[float, float]]:
+    """Per loop workload: tokens per pass with every source, and with every source but the suffix cache."""
+    by_key = {(r.workload, r.system): r for r in rows}
+    gains = {}
+    for (name, system), row in by_key.items():
+        without = by_key.get((name, "agentspec[grammar+ngram]"))
+        if system == "agentspec" and without is not None and "suffix" in row.accepted_by_source:
+            gains[name] = (row.tokens_per_pass, without.tokens_per_pass)
+    return gains
 
 
 async def main(args: Any) -> int:
     names = [n for n in args.workloads.split(",") if n] if args.workloads else [w.name for w in WORKLOADS]
     try:
         selected = load_workloads(args.prompts) if args.prompts else [workload(name) for name in names]
+        systems = args.systems.split(",") if args.systems else SYSTEMS
+        for system in systems:
+            parse_system(system)
     except (KeyError, ValueError, OSError) as exc:
         raise SystemExit(str(exc)) from None
-    systems = args.systems.split(",") if args.systems else SYSTEMS
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    async with Client(args.model, device=args.device) as client:
+    async with Client(args.model, device=args.device, draft=args.draft) as client:
         print(f"model {client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}); workloads: "
               f"{', '.join(w.name for w in selected)}", flush=True)
         if args.concurrency:
             return await _load_main(client, args, selected)
-        cells = sum(1 for w in selected for s in systems if not (w.constrained and s.startswith("hf_")))
+        if "outlines" in systems and importlib.util.find_spec("outlines") is None:
+            print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
+            systems = [s for s in systems if s != "outlines"]
+        cells = sum(1 for w in selected for s in systems if applies(s, w, client))
         done = itertools.count(1)
         rows = await run_bench(
             client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
             on_row=lambda r: print(
-                f"  [{next(done)}/{cells}] {r.workload:<16} {r.system:<17} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True
+                f"  [{next(done)}/{cells}] {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True
             ),
         )
         bounds = {}
@@ -225,13 +382,22 @@ async def main(args: Any) -> int:
             plain = await client.generate(work.messages, max_tokens=args.max_tokens or work.max_tokens, speculative=False)
             prompt_ids = client.loaded.chat.encode(work.messages)
             bounds[work.name] = ngram_oracle_speedup(prompt_ids, plain.token_ids, client._runtime.engine.costs, client.spec)
+        title = f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
     print()
     print(format_table(rows))
-    print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
-          + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
+    if bounds:
+        print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
+              + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
+    for name, (with_suffix, without) in suffix_gain(rows).items():
+        print(f"{name}: {with_suffix:.2f} tokens per target pass with the suffix cache, {without:.2f} without "
+              f"({with_suffix / without:.2f}×)")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"\nrows written to {args.json}")
+    if args.plot:
+        from .plot import write_bench_plot
+
+        print(f"chart written to {write_bench_plot(rows, args.plot, title=title)}")
     return 0
 
 
@@ -256,4 +422,9 @@ async def _load_main(client: Client, args: Any, selected: list[Workload]) -> int
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"\nrows written to {args.json}")
+    if args.plot:
+        from .plot import write_load_plot
+
+        title = f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
+        print(f"chart written to {write_load_plot(rows, args.plot, title=title)}")
     return 0

@@ -93,11 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.choices["bench"]
     bench.add_argument("--workloads", default="", help=f"comma-separated subset of: {', '.join(w.name for w in WORKLOADS)}")
     bench.add_argument("--prompts", default=None, metavar="JSONL", help='your own requests instead: one {"name", "messages" or "prompt", "max_tokens", "params"} per line')
-    bench.add_argument("--systems", default="", help="comma-separated subset of: hf_plain, hf_prompt_lookup, agentspec_plain, agentspec")
+    bench.add_argument("--systems", default="", help="comma-separated: hf_plain, hf_prompt_lookup, outlines, agentspec_plain, agentspec, "
+                       "or agentspec[S+...] drafting from sources S in grammar, ngram, suffix, model (default: peers, each source, all)")
+    bench.add_argument("--draft", default=None, help="a draft model for agentspec (a reference or early-exit:N): adds the model source")
     bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")
     bench.add_argument("--concurrency", default=None, metavar="LEVELS", help="e.g. 1,2,4,8: concurrent requests per level; aggregate tok/s, TTFT, TPOT")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    bench.add_argument("--plot", default=None, metavar="PNG", help="write the chart (needs matplotlib: pip install 'agentspec[bench]')")
     return parser
 
 

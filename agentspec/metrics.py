@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .types import SpecStats
 
@@ -63,6 +63,14 @@ class _Totals:
         total.ttft_ms = self.ttft_sum / self.timed if self.timed else 0.0
         total.tpot_ms = self.tpot_sum / self.timed if self.timed else 0.0
         return total
+
+
+def sum_stats(items: Iterable[SpecStats]) -> SpecStats:
+    """The aggregate of these requests' statistics, as ``Client.metrics()`` reports a client's."""
+    totals = _Totals()
+    for stats in items:
+        totals.add(stats)
+    return totals.snapshot()
 
 
 class MetricsAggregator:

@@ -1,7 +1,10 @@
 """The project's own agent-style workloads, shared by ``agentspec demo`` and ``agentspec bench``.
 
 Each imitates a request an agent sends a small local model: answer from a retrieved document,
-summarise it, edit code, or chat openly (the case where drafting has little to copy).
+summarise it, edit code, call a tool, extract JSON, or chat openly (the case where drafting has
+little to copy). ``agent_loop`` is many requests: an on-call agent working through a queue of alerts,
+each its own short conversation with the same system prompt and tool (call the tool, read its
+result, tell the user) — what the suffix cache of earlier outputs is for.
 """
 
 from __future__ import annotations
@@ -52,10 +55,17 @@ class Workload:
     max_tokens: int = 128
     description: str = ""
     params: dict[str, Any] = field(default_factory=dict, hash=False)  # e.g. tools, response_format
+    # An agent loop: each task is a user message opening a fresh conversation after ``messages`` (the
+    # shared system prompt): a tool call under ``params``, the tool's result, then the reply in text.
+    tasks: tuple[str, ...] = ()
 
     @property
     def constrained(self) -> bool:
         return bool(self.params)
+
+    @property
+    def is_loop(self) -> bool:
+        return bool(self.tasks)
 
 
 WEATHER_TOOL = {
@@ -82,6 +92,31 @@ EMAIL_TOOL = {
         },
     },
 }
+TICKET_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "create_ticket",
+        "description": "Open an incident ticket for the on-call team",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string", "maxLength": 60, "description": "a few words"},
+                "service": {"type": "string", "maxLength": 30, "description": "the service's name, e.g. db-3"},
+                "priority": {"enum": ["low", "medium", "high"]},
+                "summary": {"type": "string", "maxLength": 120, "description": "one sentence"},
+            },
+            "required": ["title", "service", "priority", "summary"],
+        },
+    },
+}
+ALERTS = (
+    "Alert from db-3: disk usage on db-3 is at 91 percent and rising.",
+    "Alert from api-gateway: the api-gateway returns HTTP 502 for 4 percent of requests.",
+    "Alert from billing-worker: the billing-worker queue has 12000 pending jobs.",
+    "Alert from auth: login latency on auth is 2.3 seconds at p99.",
+    "Alert from search: the search cluster lost one of its three nodes.",
+    "Alert from cdn: the cache hit rate on the cdn dropped to 41 percent.",
+)
 CONTACT_SCHEMA = {
     "type": "object",
     "properties": {
@@ -132,6 +167,15 @@ WORKLOADS: tuple[Workload, ...] = (
           "Northwind Traders\nmaria.garcia@northwind.example.com"}],
         description="JSON extraction with a response_format schema",
         params={"response_format": {"type": "json_schema", "json_schema": {"name": "contact", "schema": CONTACT_SCHEMA}}},
+    ),
+    Workload(
+        "agent_loop",
+        [{"role": "system", "content": "You are the on-call assistant. For every alert, open a ticket with create_ticket, "
+          "then tell the user which ticket you opened."}],
+        max_tokens=96,
+        description="an agent working through 6 alerts: a tool call, its result, a reply (12 requests)",
+        params={"tools": [TICKET_TOOL], "tool_choice": "required"},
+        tasks=ALERTS,
     ),
     Workload(
         "open_chat",

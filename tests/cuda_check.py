@@ -82,7 +82,8 @@ async def speed(model: str | None, device: str, max_tokens: int | None, repeats:
     limits = agentspec.Limits(max_batch=max(levels))
     async with agentspec.Client(model, device=device, limits=limits) as client:
         names = ["document_answer", "summary", "code_edit", "open_chat", "tool_call", "extraction"]
-        rows = await run_bench(client, [workload(n) for n in names], max_tokens=max_tokens, repeats=repeats)
+        rows = await run_bench(client, [workload(n) for n in names], ("hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec"),
+                               max_tokens=max_tokens, repeats=repeats)
         report["single_stream"] = [asdict(r) for r in rows]
         save()
         open_workloads = [w for w in WORKLOADS if not w.constrained]

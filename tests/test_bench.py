@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from agentspec.bench import SYSTEMS, format_table, ngram_oracle_speedup, run_bench
+from agentspec.bench import SYSTEMS, _agent_loop, format_table, ngram_oracle_speedup, parse_system, run_bench
 from agentspec.budget import CostModel
 from agentspec.types import SpecConfig
 from agentspec.workloads import load_workloads, workload
@@ -14,14 +15,15 @@ from agentspec.workloads import load_workloads, workload
 
 async def test_bench_rows(client):
     rows = await run_bench(client, [workload("document_answer")], SYSTEMS, max_tokens=6)
-    assert [r.system for r in rows] == list(SYSTEMS)
+    # no grammar, no earlier outputs, no draft model: n-grams are the only source, so no per-source rows
+    assert [r.system for r in rows] == ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec"]
     for row in rows:
         assert row.workload == "document_answer"
         assert 1 <= row.tokens <= 6 and row.seconds > 0 and row.tokens_per_s > 0
         assert 1 <= row.target_forwards <= row.tokens + 1
         assert row.identical_to_plain, f"{row.system} disagrees with transformers plain decoding"
     table = format_table(rows)
-    assert all(system in table for system in SYSTEMS)
+    assert all(row.system in table for row in rows)
 
 
 def flat_costs(positions: int = 17) -> CostModel:
@@ -40,13 +42,47 @@ def test_oracle_bound():
     assert copied > 3.0  # a verbatim copy: long drafts, all accepted
 
 
-async def test_constrained_workloads_run_only_on_agentspec(client):
+async def test_constrained_workloads_run_on_agentspec_and_outlines(client):
     rows = await run_bench(client, [workload("tool_call"), workload("extraction")], SYSTEMS, max_tokens=12)
-    assert [(r.workload, r.system) for r in rows] == [
-        (name, system) for name in ("tool_call", "extraction") for system in ("agentspec_plain", "agentspec")
-    ]
-    assert all(r.identical_to_plain and r.tokens == 12 for r in rows)
-    assert "tool_call" in format_table(rows)
+    systems = ["agentspec_plain", "outlines", "agentspec[grammar]", "agentspec[ngram]", "agentspec"]
+    assert [(r.workload, r.system) for r in rows] == [(name, system) for name in ("tool_call", "extraction") for system in systems]
+    for row in rows:
+        assert row.tokens == 12 and row.target_forwards >= 1
+        if row.system == "outlines":  # its own decoding under the same schema: one token per pass, no canonical forcing
+            assert row.target_forwards == 12 and row.acceptance == 0
+        else:
+            assert row.identical_to_plain, f"{row.workload} {row.system} disagrees with agentspec plain under the grammar"
+            assert set(row.accepted_by_source) <= set(parse_system(row.system) or ())
+    table = format_table(rows)
+    assert "tool_call" in table and "×outlines" in table
+
+
+async def test_agent_loop_rows(client):
+    loop = dataclasses.replace(workload("agent_loop"), tasks=workload("agent_loop").tasks[:2])
+    rows = await run_bench(client, [loop], SYSTEMS, max_tokens=8)
+    assert [r.system for r in rows] == [
+        "agentspec_plain", "agentspec[grammar]", "agentspec[ngram]", "agentspec[suffix]", "agentspec[grammar+ngram]", "agentspec",
+    ]  # transformers and outlines cannot run a tool-calling loop; the suffix cache is a source here
+    for row in rows:
+        assert row.identical_to_plain and row.tokens == 16  # two calls cut at 8 tokens: no tool result, no reply
+    assert rows[-1].accepted_by_source.get("grammar", 0) > 0
+
+
+async def test_agent_loop_calls_tools_and_replies_the_same_with_and_without_speculation(client):
+    loop = dataclasses.replace(workload("agent_loop"), tasks=workload("agent_loop").tasks[5:])
+    plain = await _agent_loop(client, loop, 96, False)
+    fast = await _agent_loop(client, loop, 96, True)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+    assert len(plain) == 2 and plain[0].finish_reason == "tool_calls" and plain[0].tool_calls[0].name == "create_ticket"
+    assert plain[1].tool_calls == [] and plain[1].text  # the reply, after the tool's result
+
+
+def test_system_names():
+    assert parse_system("agentspec") == ("grammar", "ngram", "suffix", "model")
+    assert parse_system("agentspec[suffix+ngram]") == ("suffix", "ngram") and parse_system("outlines") is None
+    for bad in ("agentspec[]", "agentspec[ngrams]", "agentspec[ngram+ngram]", "vllm"):
+        with pytest.raises(ValueError, match="unknown system"):
+            parse_system(bad)
 
 
 async def test_user_prompts_from_jsonl(client, tmp_path):
