@@ -318,6 +318,12 @@ def ngram_oracle_speedup(prompt_ids: list[int], output_ids: list[int], costs: Co
     return len(output_ids) * costs.effective_cost(1) / spent if spent else 1.0
 
 
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[#######.............]  7/20``: one per finished cell (a line each, so logs keep them)."""
+    filled = round(width * done / total) if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}"
+
+
 def format_table(rows: list[BenchRow]) -> str:
     """Rows plus speedups against transformers plain, its prompt lookup, outlines and agentspec plain."""
     baseline = {(r.workload, r.system): r.tokens_per_s for r in rows}
@@ -374,7 +380,8 @@ async def main(args: Any) -> int:
         rows = await run_bench(
             client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
             on_row=lambda r: print(
-                f"  [{next(done)}/{cells}] {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True
+                f"  {progress_bar(next(done), cells)} {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s",
+                file=sys.stderr, flush=True,
             ),
         )
         bounds = {}

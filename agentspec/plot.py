@@ -45,7 +45,7 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 
 def _suptitle(title: str, text: str) -> str:
-    return f"{title} — {text}" if title else text
+    return f"{text}\n{title}" if title else text
 
 
 def _grouped_bars(ax: Any, workloads: list[str], series: list[str], value: Callable[[str, str], float | None],
@@ -113,7 +113,7 @@ def _per_source_panel(ax: Any, workloads: list[str], by_key: dict[tuple[str, str
 
     _grouped_bars(ax, workloads, systems, per_pass, colors, "{}", "{:.1f}")
     ax.set_ylabel("tokens per target pass")
-    ax.set_title("Tokens per target forward pass, one draft source at a time", fontsize=10)
+    ax.set_title("Tokens per target forward pass, by the draft sources allowed", fontsize=10)
 
 
 def _colors(mpl: Any, rows: list[BenchRow], single: list[str]) -> dict[str, Any]:

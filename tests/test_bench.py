@@ -135,3 +135,33 @@ async def test_concurrency_rows_and_second_turn_ttft(client):
     assert "concurrency" in format_load_table(rows)
     cold, warm = await second_turn_ttft(client, workload("document_answer"), repeats=1)
     assert cold > 0 and warm > 0  # speed is the bench's to report; reuse itself: tests/test_batching.py
+
+
+def test_bench_command_writes_table_json_and_chart(tmp_path, capsys):
+    """`agentspec bench` end to end: a table on stdout, rows as JSON, the chart as a PNG."""
+    from agentspec.cli import main
+
+    rows_path, chart = tmp_path / "rows.json", tmp_path / "charts" / "bench.png"
+    code = main(["bench", "--workloads", "extraction", "--max-tokens", "4", "--systems", "agentspec_plain,agentspec",
+                 "--json", str(rows_path), "--plot", str(chart)])
+    out = capsys.readouterr().out
+    assert code == 0 and "extraction" in out and "×outlines" in out
+    rows = json.loads(rows_path.read_text())
+    assert [r["system"] for r in rows] == ["agentspec_plain", "agentspec"] and all(r["tokens"] == 4 for r in rows)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_command_rejects_unknown_systems(capsys):
+    from agentspec.cli import main
+
+    with pytest.raises(SystemExit, match=r"unknown system 'agentspec\[ngrams\]'"):
+        main(["bench", "--systems", "agentspec[ngrams]"])
+
+
+def test_progress_bar():
+    from agentspec.bench import progress_bar
+
+    assert progress_bar(0, 4, width=8) == "[........] 0/4"
+    assert progress_bar(1, 4, width=8) == "[##......] 1/4"
+    assert progress_bar(4, 4, width=8) == "[########] 4/4"
+    assert progress_bar(3, 12, width=4) == "[#...]  3/12"
