@@ -40,6 +40,22 @@ async def test_early_exit_drafting_is_lossless():
     assert spec.stats.drafted_tokens > 0
 
 
+async def test_a_draft_model_alone_is_still_arbitrated_and_lossless():
+    """With only the model source allowed, the arbiter still decides per step whether running the
+    draft model pays (a poor one, like these untrained early exits, then mostly does not run)."""
+    from agentspec.drafting import ArbiterDrafter
+    from agentspec.params import GenerationParams
+
+    messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
+    only_model = agentspec.SpecConfig(sources=("model",))
+    async with agentspec.Client(draft="early-exit:20") as client:
+        assert isinstance(client._sources.drafter(GenerationParams(spec=only_model)), ArbiterDrafter)
+        spec = await client.generate(messages, max_tokens=16, speculative=only_model)
+        plain = await client.generate(messages, max_tokens=16, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert set(spec.stats.accepted_by_source) <= {"model"}
+
+
 @pytest.mark.parametrize("draft, error, needle", [
     ("early-exit:0", agentspec.ModelLoadError, "from 1 to 29"),
     ("early-exit:30", agentspec.ModelLoadError, "from 1 to 29"),

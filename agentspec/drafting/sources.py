@@ -68,8 +68,11 @@ class DraftSources:
             sources.append(SuffixDrafter(self.suffixes))
         if "model" in spec.sources and self.draft_model is not None:
             sources.append(ModelDrafter(self.draft_model, params, self.loaded.vocab_size, self.loaded.device))
-        if len(sources) <= 1:
-            return sources[0] if sources else None
+        if not sources:
+            return None
+        if len(sources) == 1 and not isinstance(sources[0], ModelDrafter):
+            return sources[0]
+        # a model costs time to run: even alone, the arbiter runs it only when it is predicted to pay
         return ArbiterDrafter(sources, self.costs)
 
     def finished(self, output_ids: list[int]) -> None:
