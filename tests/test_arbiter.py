@@ -7,7 +7,7 @@ import pytest
 
 from agentspec.budget import CostModel
 from agentspec.drafting import NgramDrafter
-from agentspec.drafting.arbiter import ArbiterDrafter
+from agentspec.drafting.arbiter import ArbiterDrafter, SourceHistory
 from agentspec.drafting.base import Draft
 from agentspec.drafting.model import ModelDrafter
 from agentspec.engine import Engine
@@ -107,7 +107,25 @@ def test_picks_the_cheap_source_and_stops_running_the_model():
     ]
     assert cheap.calls == 40
     # the model ran while unmeasured, then only on exploration steps
-    assert model.calls <= 2 + 40 // ArbiterDrafter.EXPLORE_EVERY, model.calls
+    assert model.calls <= 2 + 40 // SourceHistory().explore_every, model.calls
+
+
+def test_requests_share_what_a_slow_wrong_model_costs_and_try_it_ever_less_often():
+    """A client's next request does not pay again to learn that its draft model loses; the model
+    is retried after 16, 32, 64, ... steps (at most 256), and sooner again once it is predicted to win."""
+    clock = Clock()
+    history = SourceHistory()
+    tries = []
+    for request in range(6):
+        model = Scripted("model", lambda k: [7] * k, clock, delay_ms=5.0)  # a new drafter per request, as the client makes
+        run(ArbiterDrafter([model], costs(), history=history, clock=clock), 100)
+        tries.append(model.calls)
+    # tried once unmeasured, then explored at steps 16, 32, 64, 128, 256, 512 of the client's 600
+    assert tries[0] >= 1 and sum(tries) <= 1 + 6, tries  # without back-off and sharing: 6 × (1 + 100 // 16) = 42
+    assert history._interval["model"] == history.max_explore_every  # backed off all the way
+    history.won("model")
+    assert not history.explore_due("model") and "model" not in history._interval
+    assert all(t <= 2 for t in tries[2:]), tries  # later requests: at most the odd exploration
 
 
 def test_falls_back_to_no_draft_when_nothing_is_accepted():

@@ -13,8 +13,13 @@ Every step, for each source in order (cheapest first: n-gram, suffix, then a dra
 
 ``observe`` measures every source that proposed this step, chosen or not: the common prefix of its
 proposal and the committed tokens is how much it would have had accepted (greedy: exactly; under
-sampling a lower bound). A source that is predicted to lose is still tried every
-``EXPLORE_EVERY`` steps, so one bad stretch does not silence it for the rest of the request.
+sampling a lower bound). A source that is predicted to lose is still tried now and then, so one bad
+stretch does not silence it for good: after 16 steps, then after twice as many each time it is
+tried and still loses (at most 256), and again after 16 once it is predicted to win.
+
+What is measured about a costly source — its drafting time and its acceptance — is kept in a
+``SourceHistory`` that a client's requests share, so each new request does not pay again to learn
+that a draft model does not pay (its first proposal in a request prefills the whole prompt).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable, Sequence
 from ..budget import AcceptanceModel, CostModel, expected_tokens
 from .base import NO_DRAFT, Draft, Drafter, common_prefix
 
-__all__ = ["ArbiterDrafter"]
+__all__ = ["ArbiterDrafter", "SourceHistory"]
 
 # A source cheaper than this per token (a lookup: n-grams, the suffix cache) is always run and judged
 # by its actual draft; predicting it from its average acceptance would silence a long, sure match
@@ -34,16 +39,51 @@ __all__ = ["ArbiterDrafter"]
 CHEAP_DRAFT_MS = 0.5
 
 
+class SourceHistory:
+    """What the arbiters of one client measured about costly sources, across its requests.
+
+    Per source name: recent drafting times (ms per drafted token; their minimum is the cost, as
+    interference only adds time), acceptance (``AcceptanceModel`` by source), and when it is next
+    tried while predicted to lose. Used from the engine's thread only.
+    """
+
+    WINDOW = 8  # recent timings kept per source
+
+    def __init__(self, explore_every: int = 16, max_explore_every: int = 256) -> None:
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
+        self.acceptance = AcceptanceModel()
+        self.timings: dict[str, deque[float]] = {}
+        self.steps = 0  # arbiter steps over all requests
+        self._interval: dict[str, int] = {}
+        self._next_try: dict[str, int] = {}
+
+    def times(self, name: str) -> deque[float]:
+        return self.timings.setdefault(name, deque(maxlen=self.WINDOW))
+
+    def explore_due(self, name: str) -> bool:
+        """Whether a source predicted to lose is tried this step."""
+        return self.steps >= self._next_try.setdefault(name, self.explore_every)
+
+    def explored(self, name: str) -> None:
+        """It was tried while predicted to lose: wait twice as long before the next try."""
+        interval = min(2 * self._interval.get(name, self.explore_every // 2), self.max_explore_every)
+        self._interval[name] = interval
+        self._next_try[name] = self.steps + interval
+
+    def won(self, name: str) -> None:
+        """It was predicted to pay: back to trying it soon after it stops paying."""
+        self._interval.pop(name, None)
+        self._next_try[name] = self.steps + self.explore_every
+
+
 class _Source:
     """A drafter and what the arbiter measured about it."""
 
-    WINDOW = 8  # recent timings kept; their minimum is the cost (interference only adds time)
-
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, history: SourceHistory) -> None:
         self.drafter = drafter
         self.name = getattr(drafter, "source", type(drafter).__name__)
         # ms per drafted token: ~0 for lookups, one forward for a model (its catch-up included)
-        self.timings: deque[float] = deque(maxlen=self.WINDOW)
+        self.timings = history.times(self.name)
         self.proposal: Draft | None = None  # this step's proposal, if it ran
 
     def draft_ms(self, k: int) -> float:
@@ -58,24 +98,25 @@ class ArbiterDrafter:
     """A ``Drafter`` over ``sources`` (cheapest first) that returns the draft with the most expected
     tokens per millisecond, or no draft when a plain step is predicted to be faster.
 
-    costs: the engine's verification ``CostModel`` (ms per target pass by positions).
+    costs: the engine's verification ``CostModel`` (ms per target pass by positions);
+    history: what earlier requests measured about costly sources (a client shares one); a new one
+      when not given.
     """
-
-    EXPLORE_EVERY = 16  # steps between forced tries of a source predicted to lose
 
     def __init__(
         self,
         sources: Sequence[Drafter],
         costs: CostModel,
         *,
+        history: SourceHistory | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.sources = [_Source(d) for d in sources]
+        self.history = history if history is not None else SourceHistory()
+        self.sources = [_Source(d, self.history) for d in sources]
         self.costs = costs
         self.clock = clock  # seconds; tests pass a fake one
         self.acceptance = AcceptanceModel()  # per (source, evidence): scores an actual draft
-        self.by_source = AcceptanceModel()  # per source: predicts a draft before running its source
-        self.steps = 0
+        self.by_source = self.history.acceptance  # per source: predicts a draft before running its source
         self.after = 0  # tokens another source (the grammar) drafted ahead this step
         self.chosen: str | None = None  # source of the last returned draft (for tests and logs)
 
@@ -83,13 +124,12 @@ class ArbiterDrafter:
         for source in self.sources:
             source.drafter.reset(prompt)
             source.proposal = None
-        self.acceptance, self.by_source = AcceptanceModel(), AcceptanceModel()
-        self.steps = 0
+        self.acceptance = AcceptanceModel()  # what the lookups' evidence is worth differs per request
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
-        self.steps += 1
+        history = self.history
+        history.steps += 1
         self.after = len(after)
-        explore = self.steps % self.EXPLORE_EVERY == 0
         best, best_rate = NO_DRAFT, 1.0 / self.costs.effective_cost(1)  # a plain step
         for source in self.sources:
             source.proposal = None
@@ -99,7 +139,12 @@ class ArbiterDrafter:
             if source.draft_ms(1) > CHEAP_DRAFT_MS:  # costly to run: first predict whether it can win
                 first, rest = self.by_source.rate(source.name, 1)
                 length, rate = self._best_length(source, k, first, rest)
-                if length == 0 or (rate <= best_rate and not explore):
+                if rate > best_rate:
+                    history.won(source.name)
+                elif history.explore_due(source.name):
+                    history.explored(source.name)
+                    length = max(length, 1)
+                else:
                     continue  # cannot win: do not even run it
             started = self.clock()
             draft = source.drafter.propose(length, after)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError, ModelLoadError
 from ..params import GenerationParams
-from .arbiter import ArbiterDrafter
+from .arbiter import ArbiterDrafter, SourceHistory
 from .base import Drafter
 from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
 from .ngram import ngram_drafter
@@ -44,6 +44,7 @@ class DraftSources:
         self.loaded = loaded
         self.costs = costs
         self.suffixes = SuffixCache()
+        self.history = SourceHistory()  # what requests measured about the draft model, for the next ones
         self.draft_model: Any = None
         if draft is not None and draft.startswith(EARLY_EXIT):
             self.draft_model = EarlyExitModel(loaded.model, int(draft[len(EARLY_EXIT) :]))
@@ -73,7 +74,7 @@ class DraftSources:
         if len(sources) == 1 and not isinstance(sources[0], ModelDrafter):
             return sources[0]
         # a model costs time to run: even alone, the arbiter runs it only when it is predicted to pay
-        return ArbiterDrafter(sources, self.costs)
+        return ArbiterDrafter(sources, self.costs, history=self.history)
 
     def finished(self, output_ids: list[int]) -> None:
         """A request ended with verified output: later requests may draft from it."""
