@@ -52,8 +52,16 @@ from .workloads import WORKLOADS, Workload, load_workloads, workload
 __all__ = ["BenchRow", "SYSTEMS", "applies", "parse_system", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
 
 PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
-# each source alone; every source but the suffix cache (what it adds on the agent loop); all
-SYSTEMS = (*PEERS, *(f"agentspec[{source}]" for source in DRAFT_SOURCES), "agentspec[grammar+ngram]", "agentspec")
+# each source alone; what the suffix cache adds on the agent loop, to n-grams alone and to grammar +
+# n-grams (``suffix_gain``); all
+SUFFIX_PAIRS = (("agentspec[ngram+suffix]", "agentspec[ngram]"), ("agentspec", "agentspec[grammar+ngram]"))
+SYSTEMS = (
+    *PEERS,
+    *(f"agentspec[{source}]" for source in DRAFT_SOURCES),
+    "agentspec[ngram+suffix]",
+    "agentspec[grammar+ngram]",
+    "agentspec",
+)
 
 
 def parse_system(system: str) -> tuple[str, ...] | None:
@@ -347,14 +355,16 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def suffix_gain(rows: list[BenchRow]) -> dict[str, tuple[float, float]]:
-    """Per loop workload: tokens per pass with every source, and with every source but the suffix cache."""
+def suffix_gain(rows: list[BenchRow]) -> list[tuple[str, BenchRow, BenchRow]]:
+    """Per loop workload, what the suffix cache adds: ``(workload, with, without)`` for each pair of
+    ``SUFFIX_PAIRS`` that ran (tokens per target pass is the measure)."""
     by_key = {(r.workload, r.system): r for r in rows}
-    gains = {}
-    for (name, system), row in by_key.items():
-        without = by_key.get((name, "agentspec[grammar+ngram]"))
-        if system == "agentspec" and without is not None and "suffix" in row.accepted_by_source:
-            gains[name] = (row.tokens_per_pass, without.tokens_per_pass)
+    gains = []
+    for name in dict.fromkeys(r.workload for r in rows):
+        for with_suffix, without in SUFFIX_PAIRS:
+            a, b = by_key.get((name, with_suffix)), by_key.get((name, without))
+            if a is not None and b is not None and "suffix" in a.accepted_by_source:
+                gains.append((name, a, b))
     return gains
 
 
@@ -395,9 +405,9 @@ async def main(args: Any) -> int:
     if bounds:
         print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
               + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
-    for name, (with_suffix, without) in suffix_gain(rows).items():
-        print(f"{name}: {with_suffix:.2f} tokens per target pass with the suffix cache, {without:.2f} without "
-              f"({with_suffix / without:.2f}×)")
+    for name, with_suffix, without in suffix_gain(rows):
+        print(f"{name}: suffix cache {with_suffix.tokens_per_pass / without.tokens_per_pass:.2f}× tokens per target pass: "
+              f"{with_suffix.system} {with_suffix.tokens_per_pass:.2f}, {without.system} {without.tokens_per_pass:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
         print(f"\nrows written to {args.json}")

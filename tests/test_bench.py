@@ -7,18 +7,28 @@ import json
 
 import pytest
 
-from agentspec.bench import SYSTEMS, _agent_loop, format_table, ngram_oracle_speedup, parse_system, run_bench
+from agentspec.bench import (
+    SYSTEMS,
+    BenchRow,
+    _agent_loop,
+    format_table,
+    ngram_oracle_speedup,
+    parse_system,
+    run_bench,
+    suffix_gain,
+)
 from agentspec.budget import CostModel
 from agentspec.types import SpecConfig
 from agentspec.workloads import load_workloads, workload
 
 
-async def test_bench_rows(client):
-    rows = await run_bench(client, [workload("document_answer")], SYSTEMS, max_tokens=6)
+@pytest.mark.parametrize("name", ["document_answer", "summary", "code_edit", "open_chat"])
+async def test_bench_rows(client, name):
+    rows = await run_bench(client, [workload(name)], SYSTEMS, max_tokens=6)
     # no grammar, no earlier outputs, no draft model: n-grams are the only source, so no per-source rows
     assert [r.system for r in rows] == ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec"]
     for row in rows:
-        assert row.workload == "document_answer"
+        assert row.workload == name
         assert 1 <= row.tokens <= 6 and row.seconds > 0 and row.tokens_per_s > 0
         assert 1 <= row.target_forwards <= row.tokens + 1
         assert row.identical_to_plain, f"{row.system} disagrees with transformers plain decoding"
@@ -61,7 +71,8 @@ async def test_agent_loop_rows(client):
     loop = dataclasses.replace(workload("agent_loop"), tasks=workload("agent_loop").tasks[:2])
     rows = await run_bench(client, [loop], SYSTEMS, max_tokens=8)
     assert [r.system for r in rows] == [
-        "agentspec_plain", "agentspec[grammar]", "agentspec[ngram]", "agentspec[suffix]", "agentspec[grammar+ngram]", "agentspec",
+        "agentspec_plain", "agentspec[grammar]", "agentspec[ngram]", "agentspec[suffix]", "agentspec[ngram+suffix]",
+        "agentspec[grammar+ngram]", "agentspec",
     ]  # transformers and outlines cannot run a tool-calling loop; the suffix cache is a source here
     for row in rows:
         assert row.identical_to_plain and row.tokens == 16  # two calls cut at 8 tokens: no tool result, no reply
@@ -75,6 +86,17 @@ async def test_agent_loop_calls_tools_and_replies_the_same_with_and_without_spec
     assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
     assert len(plain) == 2 and plain[0].finish_reason == "tool_calls" and plain[0].tool_calls[0].name == "create_ticket"
     assert plain[1].tool_calls == [] and plain[1].text  # the reply, after the tool's result
+
+
+def test_suffix_gain_pairs_rows_that_ran():
+    def row(system, passes, suffix=0):
+        return BenchRow("agent_loop", system, 60, 1.0, 60.0, passes, True, tokens_per_pass=60 / passes,
+                        accepted_by_source={"suffix": suffix} if suffix else {})
+
+    rows = [row("agentspec[ngram]", 30), row("agentspec[ngram+suffix]", 20, suffix=9), row("agentspec", 12, suffix=5)]
+    gains = suffix_gain(rows)  # agentspec[grammar+ngram] did not run: one pair
+    assert [(name, a.system, b.system) for name, a, b in gains] == [("agent_loop", "agentspec[ngram+suffix]", "agentspec[ngram]")]
+    assert suffix_gain(rows[:1] + [row("agentspec[ngram+suffix]", 20)]) == []  # the cache drafted nothing: no gain to show
 
 
 def test_system_names():
