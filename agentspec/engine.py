@@ -101,7 +101,7 @@ class Engine:
         loaded: LoadedModel,
         *,
         max_draft_tokens: int = 16,
-        drafter_factory: DrafterFactory = ngram_drafter,
+        drafter_factory: DrafterFactory | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.loaded = loaded
@@ -112,8 +112,11 @@ class Engine:
         self.layout = KVLayout.of(self.model)
         self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
         self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
-        self.drafter_factory = drafter_factory
+        self.drafter_factory = drafter_factory or (lambda params: ngram_drafter(params, loaded))
         self.prefix_cache = prefix_cache
+        # How the model writes the tokens grammars hold back (DESIGN §3 look-back), learned from every
+        # sequence's output: {held token: the tokens the model wrote for its bytes}. Drafts only.
+        self.spellings: dict[int, list[int]] = {}
         # Per-sequence helpers live here, keyed by the sequence, so `Sequence` stays plain data.
         self._state: dict[Sequence, _SequenceState] = {}
 
@@ -325,9 +328,11 @@ class _SequenceState:
         self.grammar = seq.grammar
         self.grammar_state = seq.grammar.initial_state if seq.grammar is not None else 0
         self.draft_forced = "grammar" in params.spec.sources  # else forced text is decoded a token per pass
+        self.held_watch: tuple[int, int] | None = None  # (index in seq.tokens, token): the last held token drafted
 
     def draft(self) -> Draft:
-        """Grammar-forced tokens first, then the drafter's continuation after them.
+        """The grammar's tokens first (its forced text, then the token its look-back held back, as the
+        model last wrote it: ``Engine.spellings``), then the drafter's continuation after them.
 
         A drafter that raises costs this step its own tokens, nothing more.
         """
@@ -336,18 +341,48 @@ class _SequenceState:
         k = min(seq.params.spec.max_draft_tokens, room) if seq.params.spec.enabled else 0
         if k <= 0:
             return NO_DRAFT
-        forced = self.grammar.forced(self.grammar_state)[:k] if self.grammar is not None and self.draft_forced else []
-        if self.drafter is None or len(forced) >= k:
-            return Draft(forced, "grammar", forced=len(forced)) if forced else NO_DRAFT
+        prefix: list[int] = []
+        if self.grammar is not None and self.draft_forced:
+            prefix = self.grammar.forced(self.grammar_state)
+            held = self.grammar.held(self.grammar_state)
+            if held is not None:
+                if self.held_watch is None:
+                    self.held_watch = (len(seq.tokens) + len(prefix), held)
+                prefix = prefix + self.engine.spellings.get(held, [held])
+            prefix = prefix[:k]
+        if self.drafter is None or len(prefix) >= k:
+            return Draft(prefix, "grammar", forced=len(prefix)) if prefix else NO_DRAFT
         try:
-            rest = self.drafter.propose(k - len(forced), after=forced) if forced else self.drafter.propose(k)
+            rest = self.drafter.propose(k - len(prefix), after=prefix) if prefix else self.drafter.propose(k)
         except Exception:
             log.exception("drafter %s failed; no draft from it this step", type(self.drafter).__name__)
             seq.stats.fallback_steps += 1
             rest = NO_DRAFT
-        tokens = forced + rest.tokens[: k - len(forced)]
+        tokens = prefix + rest.tokens[: k - len(prefix)]
         source = rest.source if rest.tokens else "grammar"
-        return Draft(tokens, source, rest.probs, rest.evidence, forced=len(forced))
+        probs = rest.probs  # [len(rest), V] under sampling: the grammar's tokens before them are one-hot
+        if probs is not None and prefix:
+            one_hot = torch.zeros(len(prefix), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            one_hot[torch.arange(len(prefix)), torch.tensor(prefix)] = 1.0
+            probs = torch.cat([one_hot, probs])
+        return Draft(tokens, source, probs, rest.evidence, forced=len(prefix))
+
+    def learn_spelling(self) -> None:
+        """Once the text of the look-back's held token is committed, remember how the model wrote it
+        (compact JSON's ``":"`` is one canonical token, but the model writes ``":`` then ``"``), so
+        later drafts propose the model's spelling. A token merged with the free text teaches nothing."""
+        at, held = self.held_watch
+        target = self.engine.loaded.token_bytes[held]
+        written, end = b"", at
+        tokens = self.seq.tokens
+        while len(written) < len(target) and end < len(tokens):
+            written += self.engine.loaded.token_bytes[tokens[end]]
+            end += 1
+        if len(written) < len(target):
+            return  # not all of it is committed yet
+        self.held_watch = None
+        if written == target:
+            self.engine.spellings[held] = tokens[at:end]
 
     def draft_plan(self, index: int) -> "_Plan":
         """This sequence's part of the next pass: a prefill chunk, or its uncached token and a draft."""
@@ -460,6 +495,8 @@ class _SequenceState:
             finish = "stop" if hit else finish
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
+        if self.held_watch is not None and finish is None:
+            self.learn_spelling()
         self.pipeline.observe(new_tokens[:committed])
         if self.drafter is not None and finish is None:
             try:

@@ -7,6 +7,7 @@ Measured facts that shape this module (DESIGN §3):
   mask, so output never depends on speculation, and the forced tokens are drafts that always verify.
 - The forced text's last token is left free (a short look-back) unless nothing free follows it, so a
   forced token never swallows the start of free text (a closing quote merged with what follows).
+  It is still the likeliest next token, so drafts propose it (``held``) and verification decides.
 - Compact JSON (no free whitespace): whitespace is where small models loop.
 - The vocabulary is built from token *bytes*, without special tokens.
 
@@ -148,7 +149,7 @@ class Grammar:
     index: Any  # outlines_core.Index
     compiler: "GrammarCompiler" = field(repr=False)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _forced: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _forced: dict[int, tuple[list[int], int | None]] = field(default_factory=dict, repr=False)  # (forced, held)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -179,6 +180,14 @@ class Grammar:
 
     def forced(self, state: int) -> list[int]:
         """Canonical tokens of the text the grammar forces from ``state`` (look-back applied)."""
+        return self._forced_and_held(state)[0]
+
+    def held(self, state: int) -> int | None:
+        """The canonical token the look-back left free after ``forced(state)``: the likeliest next
+        token there, but the model may merge it with the free text that follows. None if none."""
+        return self._forced_and_held(state)[1]
+
+    def _forced_and_held(self, state: int) -> tuple[list[int], int | None]:
         with self._lock:
             if state not in self._forced:
                 self._forced[state] = self._compute_forced(state)
@@ -205,7 +214,7 @@ class Grammar:
             self._masks[state] = mask
         return mask
 
-    def _compute_forced(self, state: int) -> list[int]:
+    def _compute_forced(self, state: int) -> tuple[list[int], int | None]:
         compiler = self.compiler
         text = bytearray()
         current = state
@@ -219,11 +228,11 @@ class Grammar:
             text.append(byte)
             current = self.index.get_next_state(current, token)
         if not text:
-            return []
+            return [], None
         tokens = compiler.encode(bytes(text))
-        if not self.is_complete(current):
-            tokens = tokens[:-1]  # look-back: the last forced token may merge with the free text after it
-        return tokens
+        if not self.is_complete(current):  # look-back: the last forced token may merge with the free text after it
+            return tokens[:-1], tokens[-1]
+        return tokens, None
 
 
 class RepeatedGrammar:
@@ -252,6 +261,9 @@ class RepeatedGrammar:
 
     def forced(self, state: int) -> list[int]:
         return [] if self.item.is_complete(state) else self.item.forced(state)
+
+    def held(self, state: int) -> int | None:
+        return None if self.item.is_complete(state) else self.item.held(state)
 
     def mask(self, state: int) -> torch.Tensor:
         return self._between if self.item.is_complete(state) else self.item.mask(state)
@@ -305,6 +317,9 @@ class AutoCallGrammar:
 
     def forced(self, state: int) -> list[int]:
         return self.call.forced(state) if state >= 0 else []
+
+    def held(self, state: int) -> int | None:
+        return self.call.held(state) if state >= 0 else None
 
     def mask(self, state: int) -> torch.Tensor:
         if state >= 0:

@@ -275,6 +275,38 @@ def test_draft_probs_are_the_processed_distribution(tiny):
     assert ((draft.probs > 0).sum(dim=-1) == 3).all()  # top_k = 3, and not one-hot
 
 
+def test_grammar_tokens_before_a_model_draft_are_one_hot_rows(tiny, loaded, monkeypatch):
+    """Under sampling, a draft of grammar tokens (forced, then the held one) continued by a model
+    carries a probability row per token: one-hot for the grammar's, the model's for its own. Every
+    drafted token has positive draft probability, the premise of rejection sampling."""
+    import agentspec.engine as engine_module
+
+    calls = []
+
+    def recording(target_probs, draft_tokens, draft_probs, generator):
+        calls.append((draft_tokens.clone(), None if draft_probs is None else draft_probs.clone()))
+        return engine_module.verify_sampling.__wrapped__(target_probs, draft_tokens, draft_probs, generator)
+
+    recording.__wrapped__ = engine_module.verify_sampling
+    monkeypatch.setattr(engine_module, "verify_sampling", recording)
+    grammar = loaded.grammars.compile({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    engine = Engine(
+        tiny,
+        drafter_factory=lambda p: ModelDrafter(Distorted(tiny.model, 0.3), p, tiny.vocab_size, tiny.device, min_confidence=0.0),
+    )
+    sampling = dataclasses.replace(params(0), max_tokens=12, spec=SpecConfig(adaptive=False, max_draft_tokens=6))
+    for seed in range(3):
+        decode(engine, PROMPT, dataclasses.replace(sampling, seed=seed), grammar=grammar)
+    with_rows = [(tokens, rows) for tokens, rows in calls if rows is not None]
+    assert with_rows
+    for tokens, rows in with_rows:
+        assert rows.shape[0] >= tokens.shape[0]
+        assert (rows[torch.arange(tokens.shape[0]), tokens] > 0).all()
+    # the first step's draft starts with the forced `{"name` and is continued by the model
+    first_tokens, first_rows = calls[0]
+    assert first_rows is not None and first_rows[0, first_tokens[0]] == 1.0
+
+
 # -- early exit ----------------------------------------------------------------------------------------
 
 

@@ -151,6 +151,38 @@ def test_canonical_forcing_allows_one_token_where_text_is_forced(loaded):
     assert loaded.tokenizer.decode(forced).startswith('{"name')
 
 
+def test_the_look_back_holds_the_last_forced_token(loaded):
+    grammar = loaded.grammars.compile(SCHEMAS["flat"])
+    state = grammar.initial_state
+    forced, held = grammar.forced(state), grammar.held(state)
+    assert held is not None and loaded.tokenizer.decode([*forced, held]) == '{"name":"'
+    for token in forced:
+        state = grammar.next_state(state, token)
+    # still held, never forced: the model chooses between it and tokens that merge it with the value
+    assert grammar.forced(state) == [] and grammar.held(state) == held
+    assert bool(grammar.mask(state)[held]) and int(grammar.mask(state).sum()) > 1
+
+
+def test_drafts_spell_held_tokens_as_the_model_writes_them(engine, loaded):
+    """Compact JSON's canonical ``":"`` is one token; the model writes ``":`` then ``"``. The engine
+    learns that from committed output and drafts it so; the output stays plain decoding's."""
+    engine.spellings.clear()
+    grammar = loaded.grammars.compile(SCHEMAS["flat"])
+    prompt_ids = prompt(loaded, "flat")
+    plain, _ = decode(engine, prompt_ids, GenerationParams(max_tokens=MAX_TOKENS, spec=SpecConfig(enabled=False)), grammar=grammar)
+    assert engine.spellings == {}  # plain decoding drafts nothing, so it learns nothing
+    fast, _ = decode(engine, prompt_ids, GenerationParams(max_tokens=MAX_TOKENS), grammar=grammar)
+    assert fast.tokens == plain.tokens
+    assert engine.spellings, "no held token was drafted and committed"
+    for held, spelling in engine.spellings.items():
+        assert b"".join(loaded.token_bytes[t] for t in spelling) == loaded.token_bytes[held]
+    (colon_quote,) = loaded.tokenizer.encode('":"', add_special_tokens=False)
+    assert engine.spellings[colon_quote] == loaded.tokenizer.encode('":', add_special_tokens=False) + loaded.tokenizer.encode('"', add_special_tokens=False)
+    again, _ = decode(engine, prompt_ids, GenerationParams(max_tokens=MAX_TOKENS), grammar=grammar)
+    assert again.tokens == plain.tokens
+    assert again.stats.target_forward_passes <= fast.stats.target_forward_passes  # nothing left to relearn
+
+
 async def test_pydantic_response_format(client):
     messages = [{"role": "user", "content": "John Smith (john@example.com) lives at 1 Main St, Springfield, USA. Extract the customer."}]
     done = await client.generate(messages, response_format=Customer, max_tokens=80)

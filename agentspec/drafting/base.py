@@ -18,7 +18,9 @@ class Draft:
     probs: [len(tokens), V] the drafter's distributions, None for deterministic (one-hot) drafts;
     evidence: how strong the proposal is on the drafter's own scale (n-gram: the matched length).
       The engine keeps acceptance statistics per (source, evidence) to decide how much to verify.
-    forced: how many leading tokens the grammar forces (source "grammar"; they always verify).
+    forced: how many leading tokens come from the grammar: the text it forces (always verifies), then
+      the token its look-back held back, as the model last wrote it (nearly always verifies). The
+      engine's budget never cuts them.
     """
 
     tokens: list[int]

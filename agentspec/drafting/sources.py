@@ -63,7 +63,7 @@ class DraftSources:
         if not spec.enabled or spec.max_draft_tokens == 0:
             return None
         sources: list[Drafter] = []
-        if (ngram := ngram_drafter(params)) is not None:
+        if (ngram := ngram_drafter(params, self.loaded)) is not None:
             sources.append(ngram)
         if "suffix" in spec.sources and len(self.suffixes):
             sources.append(SuffixDrafter(self.suffixes))
