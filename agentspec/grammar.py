@@ -205,10 +205,9 @@ class Grammar:
         if forced:
             mask[forced[0]] = True
         else:
-            allowed = self.index.get_allowed_tokens(state)
-            mask[torch.as_tensor([t for t in allowed if t not in compiler.stop_token_ids], dtype=torch.long)] = True
-            if self.is_final(state):
-                mask[list(compiler.stop_token_ids)] = True
+            allowed = self.index.get_allowed_tokens(state)  # a list of up to the vocabulary's size
+            mask[torch.from_numpy(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))] = True
+            mask[list(compiler.stop_token_ids)] = self.is_final(state)  # the index allows EOS where final; we allow every stop token
         mask = mask.to(compiler.device)
         with self._lock:
             self._masks[state] = mask
@@ -218,9 +217,12 @@ class Grammar:
         compiler = self.compiler
         text = bytearray()
         current = state
+        first_byte = compiler.first_byte
         while len(text) < MAX_FORCED_BYTES and not self.is_final(current):
-            allowed = np.asarray(self.index.get_allowed_tokens(current), dtype=np.int64)
-            first_bytes = np.unique(compiler.first_byte[allowed]) if allowed.size else allowed
+            allowed = self.index.get_allowed_tokens(current)
+            if not allowed or first_byte[allowed[0]] != first_byte[allowed[-1]]:
+                break  # a free choice (the common case, told apart without converting thousands of ids)
+            first_bytes = np.unique(first_byte[np.fromiter(allowed, dtype=np.int64, count=len(allowed))])
             byte = int(first_bytes[0]) if first_bytes.size == 1 else -1
             token = compiler.byte_token.get(byte)
             if token is None:  # a free choice here (or a byte with no single-byte token)

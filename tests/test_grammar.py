@@ -151,6 +151,28 @@ def test_canonical_forcing_allows_one_token_where_text_is_forced(loaded):
     assert loaded.tokenizer.decode(forced).startswith('{"name')
 
 
+@pytest.mark.parametrize("name", ["flat", "enum_mixed", "string_lengths", "unicode_enum", "array_of_arrays"])
+def test_the_mask_is_the_index_allowed_set_under_canonical_forcing(loaded, name):
+    """Along random walks: one token where text is forced, else what the index allows, with every
+    stop token exactly where the output may end."""
+    import random
+
+    grammar = loaded.grammars.compile(SCHEMAS[name])
+    stops = loaded.stop_token_ids
+    rng = random.Random(name)
+    for _ in range(3):
+        state = grammar.initial_state
+        for _ in range(40):
+            mask = grammar.mask(state)
+            forced = grammar.forced(state)
+            expected = {forced[0]} if forced else (set(grammar.index.get_allowed_tokens(state)) - stops) | (set(stops) if grammar.is_final(state) else set())
+            assert set(mask.nonzero().flatten().tolist()) == expected
+            choices = sorted(expected - stops)
+            if not choices:
+                break
+            state = grammar.next_state(state, rng.choice(choices))
+
+
 def test_the_look_back_holds_the_last_forced_token(loaded):
     grammar = loaded.grammars.compile(SCHEMAS["flat"])
     state = grammar.initial_state
