@@ -363,7 +363,7 @@ class _SequenceState:
         probs = rest.probs  # [len(rest), V] under sampling: the grammar's tokens before them are one-hot
         if probs is not None and prefix:
             one_hot = torch.zeros(len(prefix), probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            one_hot[torch.arange(len(prefix)), torch.tensor(prefix)] = 1.0
+            one_hot[torch.arange(len(prefix), device=probs.device), torch.tensor(prefix, device=probs.device)] = 1.0
             probs = torch.cat([one_hot, probs])
         return Draft(tokens, source, probs, rest.evidence, forced=len(prefix))
 

@@ -2,14 +2,14 @@
 
 Token n-grams miss a copy when the same text is tokenized differently in the output than in the
 prompt. A JSON string value starts right after ``"``, so the model writes ``maria.garcia@...`` as
-``mar|ia|.|garcia`` where the prompt had `` maria`` (one token, with its space): no token of the
+``mar|ia|.|g|arc|ia`` where the prompt had `` maria`` (one token, with its space): no token of the
 value ever occurred before, and the token drafter proposes nothing for the whole value. Matching the
 *bytes* of the last tokens anywhere in the earlier text finds the copy, and tokenizing the bytes that
 followed gives the draft. Example (bytes shown as text)::
 
     text  = ... 'to maria.garcia@example.com with' ... '{"to":"' 'mar'
     key   = 'mar'  (the last token's bytes; found inside ' maria')
-    after = 'ia.garcia@example.com with ...'  ->  tokens  ia | . | garcia | @ | example | ...
+    after = 'ia.garcia@example.com with ...'  ->  tokens  ia | . | g | arc | ia | @ | example | ...
 
 Tokenization is context-sensitive (BPE merges run over a whole pre-token), so the continuation is
 tokenized together with the last token's bytes and the draft is what follows that token; when the
@@ -29,7 +29,7 @@ BYTES_PER_TOKEN = 6  # continuation bytes read per draft token wanted (English a
 
 
 class ByteSpanIndex:
-    """The prompt and committed output as one byte string, with each token's end offset.
+    """The prompt and committed output as one byte string (a special token as ``SEPARATOR``).
 
     ``propose(k, pending, longer_than)`` matches the bytes of the last m tokens (m from ``max_n``
     down to ``longer_than + 1``; keys shorter than ``min_bytes`` are skipped) at their most recent
@@ -47,7 +47,6 @@ class ByteSpanIndex:
         self.token_bytes, self.encode = token_bytes, encode
         self.max_n, self.min_bytes = max_n, min_bytes
         self.text = bytearray()
-        self.ends: list[int] = []  # ends[i]: the offset in `text` right after token i
         self.tokens: list[int] = []
 
     def bytes_of(self, token: int) -> bytes:
@@ -56,7 +55,6 @@ class ByteSpanIndex:
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self.text += self.bytes_of(token)
-            self.ends.append(len(self.text))
             self.tokens.append(token)
 
     def propose(self, k: int, pending: Sequence[int] = (), *, longer_than: int = 0) -> tuple[list[int], int]:
