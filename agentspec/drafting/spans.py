@@ -20,6 +20,7 @@ never correctness.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Sequence
 
 __all__ = ["ByteSpanIndex", "SEPARATOR"]
@@ -47,7 +48,7 @@ class ByteSpanIndex:
         self.token_bytes, self.encode = token_bytes, encode
         self.max_n, self.min_bytes = max_n, min_bytes
         self.text = bytearray()
-        self.tokens: list[int] = []
+        self.recent: deque[int] = deque(maxlen=max_n)  # the last tokens: a key is made of at most max_n
 
     def bytes_of(self, token: int) -> bytes:
         return (self.token_bytes[token] if token < len(self.token_bytes) else b"") or SEPARATOR
@@ -55,12 +56,12 @@ class ByteSpanIndex:
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self.text += self.bytes_of(token)
-            self.tokens.append(token)
+            self.recent.append(token)
 
     def propose(self, k: int, pending: Sequence[int] = (), *, longer_than: int = 0) -> tuple[list[int], int]:
         if k <= 0:
             return [], 0
-        context = self.tokens[-self.max_n :] + list(pending) if pending else self.tokens[-self.max_n :]
+        context = [*self.recent, *pending]
         pieces = [self.bytes_of(token) for token in context]
         for m in range(min(self.max_n, len(context)), longer_than, -1):
             key = b"".join(pieces[len(pieces) - m :])
