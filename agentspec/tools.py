@@ -117,14 +117,16 @@ class _Call:
     name: str | None = None
     sent: int = 0  # characters of the arguments already streamed
 
-    def arguments(self) -> str:
-        """The arguments text so far, without its last character (it may be the outer ``}``)."""
-        return self.text[self.text.find(ARGUMENTS_MARK) + len(ARGUMENTS_MARK) : -1]
+    def arguments(self, complete: bool = False) -> str:
+        """The arguments text so far. A last ``}`` is held back until more text shows whether it
+        closes the arguments or the call (``complete``: it closes the call, so drop it)."""
+        text = self.text[self.text.find(ARGUMENTS_MARK) + len(ARGUMENTS_MARK) :]
+        return text[:-1] if complete or text.endswith("}") else text
 
 
 class ToolCallParser:
     """Verified call text in, call events out. The text is one compact JSON call per line, so a
-    newline ends a call; the outer ``}`` of the call being written is held back until it ends."""
+    newline ends a call; a ``}`` that may be the outer one of the call being written is held back."""
 
     def __init__(self) -> None:
         self._current: _Call | None = None
@@ -156,11 +158,11 @@ class ToolCallParser:
         call, self._current = self._current, None
         if call is None:
             return []
-        return [*self._delta(call), ToolCall(index=call.index, id=call.id, name=call.name or "", arguments=json.loads(call.arguments()))]
+        return [*self._delta(call, complete=True), ToolCall(index=call.index, id=call.id, name=call.name or "", arguments=json.loads(call.arguments(complete=True)))]
 
     @staticmethod
-    def _delta(call: _Call) -> list[ToolCallDelta]:
-        arguments = call.arguments()
+    def _delta(call: _Call, complete: bool = False) -> list[ToolCallDelta]:
+        arguments = call.arguments(complete)
         if call.name is None or len(arguments) <= call.sent:
             return []
         fragment, call.sent = arguments[call.sent :], len(arguments)

@@ -187,6 +187,20 @@ def test_parser_streams_several_calls_under_any_chunking():
         assert len({c.id for c in done}) == 3
 
 
+def test_parser_holds_back_only_a_closing_brace():
+    text = json.dumps({"name": "f", "arguments": {"q": "a}b", "n": {"m": 1}}}, separators=(",", ":"))
+    start = text.index('"arguments":') + len('"arguments":')
+    parser, streamed = ToolCallParser(), ""
+    for end in range(1, len(text) + 1):
+        streamed += "".join(e.arguments for e in parser.feed(text[end - 1]) if isinstance(e, agentspec.ToolCallDelta))
+        visible = text[start:end]
+        # everything fed is streamed at once, except a last "}" (it may close the call, not the arguments)
+        assert streamed == (visible[:-1] if visible.endswith("}") else visible)
+    *deltas, call = parser.finish()
+    assert streamed + "".join(d.arguments for d in deltas) == text[start:-1]
+    assert call.arguments == {"q": "a}b", "n": {"m": 1}}
+
+
 @pytest.mark.parametrize(
     "params, error, needle",
     [
