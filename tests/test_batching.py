@@ -87,7 +87,7 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
         return sum(choose_lengths([RowBudget(1, 1.0, 8, Acceptance(acceptance, acceptance))] * rows, costs))
 
     per_position = costs.cost(costs.max_positions) / costs.max_positions  # the slope past the widest shape
-    # j of the 96 rows drafting one token each: (96 + a j) tokens in per_position (96 + j) + 95 segment ms,
+    # j of the 96 rows drafting one token each at acceptance a: (96 + a j) tokens in per_position (96 + j) + 95 segment ms,
     # which grows with j exactly when a > crossover
     crossover = 96 * per_position / (96 * per_position + 95 * costs.segment_ms)
     typical = min(0.5, 0.9 * crossover)
