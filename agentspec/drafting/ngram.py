@@ -90,10 +90,10 @@ class NgramDrafter:
         self.index, self.spans = self._empty_indexes()
 
     def _empty_indexes(self) -> tuple[NgramIndex, ByteSpanIndex | None]:
-        if self.loaded is None:
-            return NgramIndex(min_n=self.min_n, max_n=self.max_n), None
-        tokenizer = self.loaded.tokenizer
-        spans = ByteSpanIndex(self.loaded.token_bytes, lambda text: tokenizer.encode(text, add_special_tokens=False), max_n=self.max_n)
+        spans = None
+        if self.loaded is not None:
+            tokenizer = self.loaded.tokenizer
+            spans = ByteSpanIndex(self.loaded.token_bytes, lambda text: tokenizer.encode(text, add_special_tokens=False), max_n=self.max_n)
         return NgramIndex(min_n=self.min_n, max_n=self.max_n), spans
 
     def reset(self, prompt: Sequence[int]) -> None:

@@ -86,8 +86,8 @@ class ByteSpanIndex:
             window = window[:cut]
         if not window:
             return []
-        anchor = self.token_bytes[last] if last < len(self.token_bytes) else b""
-        tokens = self.encode((anchor + window).decode("utf-8", "ignore")) if anchor else []
+        anchor = self.token_bytes[last]  # plain text: a key holding a special token (SEPARATOR) is skipped
+        tokens = self.encode((anchor + window).decode("utf-8", "ignore"))
         if tokens and tokens[0] == last:
             tokens = tokens[1:]
         else:  # the tokenizer merges the last token's bytes with what follows: tokenize the rest alone
