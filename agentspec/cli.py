@@ -8,10 +8,10 @@ import sys
 import time
 from typing import Any
 
+from .bench.workloads import WORKLOADS, workload
 from .client import Client
 from .errors import AgentSpecError
 from .types import Done, SpecStats, TextDelta
-from .workloads import WORKLOADS, workload
 
 __all__ = ["main"]
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "chat":
         runner = _chat
     else:
-        from .bench import main as runner
+        from .bench.cli import main as runner
     try:
         return asyncio.run(runner(args))
     except AgentSpecError as exc:

@@ -25,16 +25,17 @@ from typing import Any, Callable, TypeVar
 import anyio
 import torch
 
+from .drafting.base import common_prefix
 from .drafting.sources import DraftSources, check_draft_reference
 from .engine import Engine, Sequence, StepOutput
 from .errors import ClientClosedError, ContextLengthError, InvalidRequestError
 from .metrics import MetricsAggregator, log_request
 from .model import DTYPES, LoadedModel, load_model
-from .grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
+from .structured.grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
 from .params import GenerationParams, parse_params
-from .prefix import PrefixCache
+from .engine.prefix import PrefixCache
 from .runtime import Channel, RequestHandle, Runtime
-from .tools import ToolCallParser, with_tool_prompt
+from .structured.tools import ToolCallParser, with_tool_prompt
 from .types import Completion, Done, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
 __all__ = ["Client", "Stream"]
@@ -115,9 +116,7 @@ class Stream:
     def _to_events(self, output: StepOutput) -> list[TextDelta | ToolCallDelta | ToolCall | Done]:
         events: list[TextDelta | ToolCallDelta | ToolCall | Done] = []
         if not self._decided and output.token_ids:
-            grammar = self._seq.grammar
-            assert isinstance(grammar, AutoCallGrammar)
-            self._call = ToolCallParser() if output.token_ids[0] == grammar.call_start else None
+            self._call = ToolCallParser() if output.is_call else None
             self._decided = True
         if self._call is not None:
             events.extend(self._call.feed(output.text))
@@ -235,13 +234,7 @@ class Client:
 
     async def _start(self) -> None:
         limits = self.limits
-        runtime = Runtime(
-            on_finished=self._finished,
-            abandon_after_s=limits.abandon_after_s,
-            max_queued=limits.max_queued,
-            max_batch=limits.max_batch,
-            kv_budget_bytes=int(limits.kv_cache_mb * 2**20),
-        )
+        runtime = Runtime(limits=limits, on_finished=self._finished)
         runtime.start()
 
         def set_up() -> LoadedModel:  # on the worker thread, which runs all of this client's torch work
@@ -288,6 +281,38 @@ class Client:
         self._require_running()
         assert self._loaded is not None
         return self._loaded
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that decodes this client's requests (diagnostics, benchmarks, tests). It runs on
+        the worker thread: call into it through ``run_on_worker``, or read it while no request runs."""
+        engine = self._require_running().engine
+        assert engine is not None
+        return engine
+
+    @property
+    def draft_sources(self) -> DraftSources:
+        """The client-wide draft sources (the suffix cache of earlier outputs, the draft model)."""
+        self._require_running()
+        assert self._sources is not None
+        return self._sources
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests submitted and not yet finished (queued or decoding)."""
+        return self._require_running().running
+
+    async def clear_caches(self) -> None:
+        """Forget earlier requests: the prefix cache's keys/values and the suffix cache's outputs
+        (benchmarks that repeat a request use it so it is not replayed). Runs between engine steps."""
+        engine, sources = self.engine, self.draft_sources
+
+        def clear() -> None:
+            if engine.prefix_cache is not None:
+                engine.prefix_cache.clear()
+            sources.suffixes.clear()
+
+        await self.run_on_worker(clear)
 
     def _require_running(self) -> Runtime:
         if self._state is _State.NEW:
@@ -362,7 +387,7 @@ class Client:
         if (
             completed
             and spec.shadow_rate > 0
-            and spec.enabled
+            and spec.speculates
             and seq.params.greedy
             and self._shadow_rng.random() < spec.shadow_rate
             and self._runtime is not None
@@ -375,7 +400,7 @@ class Client:
         same = shadow.tokens == original.tokens
         self._metrics.add_shadow(same, original.params.tag)
         if not same:
-            at = next((i for i, (a, b) in enumerate(zip(original.output_ids, shadow.output_ids)) if a != b), None)
+            at = common_prefix(original.output_ids, shadow.output_ids)
             log.error(
                 "quality_diff: request %s differs from its plain decoding (first at output token %s); "
                 "speculation must be lossless, please report this",

@@ -6,6 +6,9 @@ that prefix. Order, as in transformers' ``generate``: repetition penalty → tem
 top-p → min-p, with the grammar mask (structured output) applied right after the penalty. Greedy
 decoding is the argmax after penalty and mask (the later steps keep the argmax).
 
+The engine's verification and a draft model's proposals share it (a draft samples under the same
+processors as its target), so it sits below both.
+
 Shape letters: P positions, V vocabulary.
 """
 
@@ -17,7 +20,7 @@ import torch
 
 from .params import GenerationParams
 
-__all__ = ["LogitsPipeline"]
+__all__ = ["LogitsPipeline", "sampling_generator"]
 
 
 class LogitsPipeline:
@@ -70,3 +73,16 @@ class LogitsPipeline:
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return logits.softmax(dim=-1)
+
+
+def sampling_generator(params: GenerationParams, device: torch.device, salt: int = 0) -> torch.Generator | None:
+    """A request's random stream: None when greedy; from ``seed`` (xor ``salt``, so a draft model
+    gets a stream of its own), or a fresh random seed."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed ^ salt)
+    return generator

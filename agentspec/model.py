@@ -19,7 +19,7 @@ import torch
 
 from .chat import ChatFormat
 from .errors import ModelLoadError
-from .grammar import GrammarCompiler
+from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "default_model_path"]
@@ -29,6 +29,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Turn-ending tokens of common chat templates; whichever exist in a vocabulary as special tokens stop.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "</s>")
 
+# A config that states no context window (max_position_embeddings) gets the smallest one common
+# among today's chat models: a prompt past it is refused (ContextLengthError) rather than garbled.
+FALLBACK_CONTEXT_WINDOW = 2048
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -154,7 +157,7 @@ def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> L
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"Could not move the model to {device}: {exc}. Try device='cpu' or a smaller dtype.") from exc
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    window = int(getattr(model.config, "max_position_embeddings", 0) or FALLBACK_CONTEXT_WINDOW)
     return LoadedModel(
         name=str(ref or Path(source, kwargs["gguf_file"]).name),
         model=model,

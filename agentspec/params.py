@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequestError
-from .grammar import schema_from_response_format
-from .tools import ToolSpec, call_schema, parse_tools
+from .structured.grammar import schema_from_response_format
+from .structured.tools import ToolSpec, call_schema, parse_tools
 from .types import SpecConfig
 
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]

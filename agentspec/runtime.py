@@ -5,7 +5,7 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
   ``Channel``; cancelling is setting a flag, which the worker honours before the sequence's next step.
 - The worker never touches asyncio objects directly: it hands results over with
   ``loop.call_soon_threadsafe``. If that loop is gone, the request is cancelled.
-- Back-pressure: a request whose consumer has ``max_pending`` undelivered outputs is not stepped
+- Back-pressure: a request whose consumer has ``Limits.max_pending_events`` undelivered outputs is not stepped
   (its KV cache just waits). If it stays stalled for ``abandon_after_s`` the stream is treated as
   abandoned and freed. Streams dropped without ``aclose`` are caught earlier by a finalizer.
 - Batching: every active request that can take a step takes it in the same engine pass
@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from .engine import Engine, Sequence, StepOutput
 from .errors import ClientClosedError, EngineError, EngineOverloadedError, RequestTimeoutError
+from .types import Limits
 
 __all__ = ["Runtime", "RequestHandle", "Channel"]
 
@@ -45,6 +46,12 @@ log = logging.getLogger("agentspec.runtime")
 # 3 exits with a stream left running), so exit stops them first: each finishes its step in flight.
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
 EXIT_JOIN_TIMEOUT_S = 10.0
+# Admission estimates a request's keys/values as its prompt plus this many output tokens (or its
+# max_tokens if fewer): most agent replies are shorter, and a long one keeps its room once admitted.
+ESTIMATED_OUTPUT_TOKENS = 256
+# How long the worker sleeps when no request could step (all waiting for their consumers): short
+# enough that a consumer catching up resumes its stream within a few milliseconds.
+STALLED_WAIT_S = 0.005
 
 
 @atexit.register
@@ -105,20 +112,16 @@ class Runtime:
         self,
         engine: Engine | None = None,
         *,
+        limits: Limits = Limits(),
         on_finished: Callable[[Sequence], None] = lambda seq: None,
-        max_pending: int = 64,
-        abandon_after_s: float = 60.0,
-        max_queued: int = 1024,
-        max_batch: int = 8,
-        kv_budget_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.on_finished = on_finished
-        self.max_pending = max_pending
-        self.abandon_after_s = abandon_after_s
-        self.max_queued = max_queued
-        self.max_batch = max_batch
-        self.kv_budget_bytes = kv_budget_bytes
+        self.max_pending = limits.max_pending_events
+        self.abandon_after_s = limits.abandon_after_s
+        self.max_queued = limits.max_queued
+        self.max_batch = limits.max_batch
+        self.kv_budget_bytes = int(limits.kv_cache_mb * 2**20)
         self._cond = threading.Condition()
         self._incoming: list[RequestHandle] = []
         self._jobs: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
@@ -236,11 +239,11 @@ class Runtime:
                 self._active.append(handle)
             if not self._cycle():
                 with self._cond:  # every active request is waiting for its consumer (or none fits yet)
-                    self._cond.wait(timeout=0.005)
+                    self._cond.wait(timeout=STALLED_WAIT_S)
 
     def _admit(self) -> list[RequestHandle]:
         """Queued requests that fit now, in order: at most ``max_batch`` decoding at once, and their
-        keys/values (prompt and 256 tokens of output, estimated) within ``kv_budget_bytes``. One
+        keys/values (prompt and ``ESTIMATED_OUTPUT_TOKENS`` of output) within ``kv_budget_bytes``. One
         request is always admitted when none is active. Cancelled or timed-out queued requests end here."""
         assert self.engine is not None
         with self._cond:
@@ -257,9 +260,9 @@ class Runtime:
                 continue
             if self._timed_out(handle):
                 continue
-            need = (len(handle.seq.prompt_ids) + min(handle.seq.max_new_tokens, 256)) * per_token
+            need = (len(handle.seq.prompt_ids) + min(handle.seq.max_new_tokens, ESTIMATED_OUTPUT_TOKENS)) * per_token
             alone = not self._active and not admitted
-            fits = self.kv_budget_bytes is None or used + need <= self.kv_budget_bytes
+            fits = used + need <= self.kv_budget_bytes
             if len(self._active) + len(admitted) < self.max_batch and (fits or alone) and not kept:
                 admitted.append(handle)
                 used += need
@@ -320,13 +323,11 @@ class Runtime:
         seq = handle.seq
         if seq.finish_reason is None:
             seq.finish_reason = reason
-            self.engine.finish_stats(seq)
         self._release(handle)
         handle.channel.send(StepOutput("", [], seq.finish_reason))
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         handle.seq.finish_reason = "error"  # internal only: the stream raises the error instead
-        self.engine.finish_stats(handle.seq)
         if isinstance(exc, RequestTimeoutError):
             error: Exception = exc
         else:

@@ -70,6 +70,11 @@ class SpecConfig(BaseModel):
         except ValidationError as exc:  # bad input belongs to agentspec's error tree
             raise InvalidRequestError(f"Invalid SpecConfig: {exc}") from None
 
+    @property
+    def speculates(self) -> bool:
+        """Whether a request drafts at all (False: plain decoding)."""
+        return self.enabled and self.max_draft_tokens > 0
+
     @model_validator(mode="after")
     def _ngram_range(self) -> "SpecConfig":
         if self.ngram_min > self.ngram_max:
@@ -87,7 +92,8 @@ class Limits(BaseModel):
     keys/values of the running ones (and its own estimate: prompt plus 256 output tokens) stay within
     ``kv_cache_mb`` — a lone request always runs. ``prefix_cache_mb`` keeps finished sequences'
     keys/values for requests that start with the same tokens (0 turns prefix reuse off). A stream
-    whose consumer reads nothing for ``abandon_after_s`` while its output backs up is freed.
+    whose consumer falls ``max_pending_events`` steps behind pauses (its keys/values wait); one that
+    reads nothing for ``abandon_after_s`` while paused is freed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -97,6 +103,7 @@ class Limits(BaseModel):
     kv_cache_mb: float = Field(4096, gt=0, description="keys/values of running requests, MiB")
     prefix_cache_mb: float = Field(512, ge=0, description="keys/values kept for prefix reuse, MiB; 0 = off")
     abandon_after_s: float = Field(60.0, gt=0, description="a stream unread this long with its output backed up is freed")
+    max_pending_events: int = Field(64, ge=1, description="a request's steps not yet read by its consumer before it pauses")
 
     def __init__(self, **values: Any) -> None:
         try:

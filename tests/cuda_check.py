@@ -21,13 +21,11 @@ from pathlib import Path
 import torch
 
 import agentspec
-from agentspec.bench import run_bench
+from agentspec.bench import WORKLOADS, run_bench, run_concurrency, second_turn_ttft, workload
 from agentspec.engine import Engine, Sequence
-from agentspec.loadbench import run_concurrency, second_turn_ttft
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
-from agentspec.workloads import WORKLOADS, workload
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

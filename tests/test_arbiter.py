@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.budget import CostModel
+from agentspec.engine.lengths import CostModel
 from agentspec.drafting import NgramDrafter
 from agentspec.drafting.arbiter import ArbiterDrafter, SourceHistory
 from agentspec.drafting.base import Draft

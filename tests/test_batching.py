@@ -12,11 +12,12 @@ import time
 import pytest
 
 import agentspec
-from agentspec.budget import Acceptance, RowBudget, choose_lengths
+from agentspec.drafting.acceptance import Acceptance
+from agentspec.engine.lengths import RowBudget, choose_lengths
 from agentspec.engine import Engine, Sequence
-from agentspec.kv import KVBlock, KVLayout
+from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.params import GenerationParams
-from agentspec.prefix import PrefixCache
+from agentspec.engine.prefix import PrefixCache
 from agentspec.types import SpecConfig
 
 from .conftest import decode
@@ -98,7 +99,8 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
 
 
 def test_batch_lengths_match_brute_force_on_small_cases():
-    from agentspec.budget import CostModel, expected_tokens
+    from agentspec.drafting.acceptance import expected_tokens
+    from agentspec.engine.lengths import CostModel
 
     costs = CostModel(max_positions=12)
     for positions, ms in {1: 40, 2: 62, 3: 75, 4: 60, 5: 62, 6: 66, 8: 70, 10: 80, 12: 95}.items():
@@ -176,11 +178,11 @@ async def test_cancelling_one_stream_leaves_the_others_unchanged(client):
 
     results = await asyncio.gather(*(client.generate(m, max_tokens=20) for m in messages[:2]), cancel_after_two_events())
     assert [r.token_ids for r in results[:2]] == [e.token_ids for e in expected]
-    assert client._runtime.engine.active == 0
+    assert client.engine.active == 0
 
 
 async def test_concurrent_requests_share_passes(client, monkeypatch):
-    engine = client._runtime.engine
+    engine = client.engine
     sizes: list[int] = []
     real = engine.step_many
 
@@ -216,7 +218,7 @@ async def test_kv_budget_admits_one_at_a_time_when_tight(loaded, monkeypatch):
     per_token = KVLayout.of(loaded.model).bytes_per_token
     limits = agentspec.Limits(kv_cache_mb=60 * per_token / 2**20, prefix_cache_mb=0)  # room for one request
     async with agentspec.Client(limits=limits) as tight:
-        engine = tight._runtime.engine
+        engine = tight.engine
         most = 0
         real = engine.step_many
 

@@ -10,16 +10,17 @@ import pytest
 from agentspec.bench import (
     SYSTEMS,
     BenchRow,
-    _agent_loop,
     format_table,
+    load_workloads,
     ngram_oracle_speedup,
     parse_system,
     run_bench,
     suffix_gain,
+    workload,
 )
-from agentspec.budget import CostModel
+from agentspec.bench.single import _agent_loop
+from agentspec.engine.lengths import CostModel
 from agentspec.types import SpecConfig
-from agentspec.workloads import load_workloads, workload
 
 
 @pytest.mark.parametrize("name", ["document_answer", "summary", "code_edit", "open_chat"])
@@ -144,7 +145,7 @@ def test_bad_prompt_files(tmp_path, content, needle):
 
 
 async def test_concurrency_rows_and_second_turn_ttft(client):
-    from agentspec.loadbench import format_load_table, run_concurrency, second_turn_ttft
+    from agentspec.bench import format_load_table, run_concurrency, second_turn_ttft
 
     works = [workload("document_answer"), workload("open_chat")]
     rows = await run_concurrency(client, [1, 2], works, max_tokens=4, rounds=2)
@@ -181,7 +182,7 @@ def test_bench_command_rejects_unknown_systems(capsys):
 
 
 def test_progress_bar():
-    from agentspec.bench import progress_bar
+    from agentspec.bench.cli import progress_bar
 
     assert progress_bar(0, 4, width=8) == "[........] 0/4"
     assert progress_bar(1, 4, width=8) == "[##......] 1/4"

@@ -17,12 +17,11 @@ STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a 
 
 async def wait_idle(client: agentspec.Client, timeout: float = 5.0) -> None:
     """Wait until the engine holds no sequence (the step in flight, if any, has ended)."""
-    runtime = client._runtime
     for _ in range(int(timeout / 0.01)):
-        if runtime.running == 0 and runtime.engine.active == 0:
+        if client.pending_requests == 0 and client.engine.active == 0:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"engine still busy: {runtime.running} requests, {runtime.engine.active} sequences")
+    raise AssertionError(f"engine still busy: {client.pending_requests} requests, {client.engine.active} sequences")
 
 
 async def test_stream_events_are_consistent(client, loaded):
@@ -89,7 +88,7 @@ async def test_aclose_stops_decoding_and_others_continue(client):
     expected = await client.generate(COPY, max_tokens=24)
     assert finished.token_ids == expected.token_ids
     await wait_idle(client)
-    assert client._runtime.engine.active == 0
+    assert client.engine.active == 0
 
 
 async def test_break_without_close_frees_the_engine(client):
@@ -114,11 +113,9 @@ async def test_cancelling_the_consumer_task_frees_the_engine(client):
     await wait_idle(client)
 
 
-async def test_abandoned_stream_is_detected(client):
-    runtime = client._runtime
-    saved = runtime.max_pending, runtime.abandon_after_s
-    runtime.max_pending, runtime.abandon_after_s = 2, 0.3
-    try:
+async def test_abandoned_stream_is_detected():
+    limits = agentspec.Limits(max_pending_events=2, abandon_after_s=0.3)
+    async with agentspec.Client(limits=limits) as client:
         stream = client.stream(STORY, max_tokens=400)
         first = await stream.__anext__()  # submitted, then never read again nor closed
         assert isinstance(first, agentspec.TextDelta)
@@ -126,8 +123,6 @@ async def test_abandoned_stream_is_detected(client):
         events = [ev async for ev in stream]
         assert events[-1].finish_reason == "cancelled"
         assert events[-1].usage.completion_tokens < 400
-    finally:
-        runtime.max_pending, runtime.abandon_after_s = saved
 
 
 async def test_metrics_aggregate_request_stats(client):

@@ -279,15 +279,23 @@ def test_grammar_tokens_before_a_model_draft_are_one_hot_rows(tiny, loaded, monk
     """Under sampling, a draft of grammar tokens (forced, then the held one) continued by a model
     carries a probability row per token: one-hot for the grammar's, the model's for its own. Every
     drafted token has positive draft probability, the premise of rejection sampling."""
-    import agentspec.engine as engine_module
+    from agentspec.engine import engine as engine_module
+    from agentspec.engine.verify import NO_TOKEN
 
-    calls = []
+    calls = []  # per sequence verified: (its draft tokens [K], the draft rows verification got [K+1, V])
 
-    def recording(target_probs, draft_tokens, draft_probs, generator):
-        calls.append((draft_tokens.clone(), None if draft_probs is None else draft_probs.clone()))
-        return engine_module.verify_sampling.__wrapped__(target_probs, draft_tokens, draft_probs, generator)
+    def recording(target_probs, draft_tokens, draft_probs, uniforms, counts):
+        """Splits the pass's flattened rows back into its sequences (K_s draft rows, then a bonus row)."""
+        assert draft_tokens.shape[0] == draft_probs.shape[0] == int((counts + 1).sum())
+        start = 0
+        for k in counts.tolist():
+            tokens, rows = draft_tokens[start : start + k + 1].clone(), draft_probs[start : start + k + 1].clone()
+            assert tokens[k] == NO_TOKEN and not rows[k].any()  # the bonus row: nothing proposed
+            calls.append((tokens[:k], rows))
+            start += k + 1
+        return real(target_probs, draft_tokens, draft_probs, uniforms, counts)
 
-    recording.__wrapped__ = engine_module.verify_sampling
+    real = engine_module.verify_sampling
     monkeypatch.setattr(engine_module, "verify_sampling", recording)
     grammar = loaded.grammars.compile({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
     engine = Engine(
@@ -297,14 +305,18 @@ def test_grammar_tokens_before_a_model_draft_are_one_hot_rows(tiny, loaded, monk
     sampling = dataclasses.replace(params(0), max_tokens=12, spec=SpecConfig(adaptive=False, max_draft_tokens=6))
     for seed in range(3):
         decode(engine, PROMPT, dataclasses.replace(sampling, seed=seed), grammar=grammar)
-    with_rows = [(tokens, rows) for tokens, rows in calls if rows is not None]
+    # every row is one-hot (a deterministic draft token) or the model's (top_k = 3: never one-hot)
+    model_row = [[int((row > 0).sum()) > 1 for row in rows[: tokens.shape[0]]] for tokens, rows in calls]
+    with_rows = [(tokens, rows) for (tokens, rows), model in zip(calls, model_row) if any(model)]
     assert with_rows
     for tokens, rows in with_rows:
         assert rows.shape[0] >= tokens.shape[0]
         assert (rows[torch.arange(tokens.shape[0]), tokens] > 0).all()
+    for tokens, rows in calls:  # deterministic drafts too: every drafted token is possible under q
+        assert (rows[torch.arange(tokens.shape[0]), tokens] > 0).all()
     # the first step's draft starts with the forced `{"name` and is continued by the model
-    first_tokens, first_rows = calls[0]
-    assert first_rows is not None and first_rows[0, first_tokens[0]] == 1.0
+    (first_tokens, first_rows), first_model = calls[0], model_row[0]
+    assert any(first_model) and first_rows[0, first_tokens[0]] == 1.0
 
 
 # -- early exit ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ SCHEMA_PROMPT = [{"role": "system", "content": 'Reply with {"name":"get_user","a
 
 async def test_suffix_cache_fills_and_output_stays_plain(client):
     await wait_idle(client)
-    sources = client._sources
+    sources = client.draft_sources
     before = len(sources.suffixes)
     outputs = []
     for i in (101, 102, 103):
@@ -33,7 +33,7 @@ async def test_suffix_cache_fills_and_output_stays_plain(client):
 async def test_early_exit_drafting_is_lossless():
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     async with agentspec.Client(draft="early-exit:20") as client:
-        assert client._sources.draft_model is not None
+        assert client.draft_sources.draft_model is not None
         spec = await client.generate(messages, max_tokens=16, speculative=agentspec.SpecConfig(adaptive=False, max_draft_tokens=4))
         plain = await client.generate(messages, max_tokens=16, speculative=False)
     assert spec.token_ids == plain.token_ids
@@ -49,7 +49,7 @@ async def test_a_draft_model_alone_is_still_arbitrated_and_lossless():
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     only_model = agentspec.SpecConfig(sources=("model",))
     async with agentspec.Client(draft="early-exit:20") as client:
-        assert isinstance(client._sources.drafter(GenerationParams(spec=only_model)), ArbiterDrafter)
+        assert isinstance(client.draft_sources.drafter(GenerationParams(spec=only_model)), ArbiterDrafter)
         spec = await client.generate(messages, max_tokens=16, speculative=only_model)
         plain = await client.generate(messages, max_tokens=16, speculative=False)
     assert spec.token_ids == plain.token_ids

@@ -59,31 +59,28 @@ def test_failing_drafter_costs_plain_steps_not_output(engine, loaded, fail_obser
 async def test_failing_forward_ends_one_request_only(client, monkeypatch):
     """A pass that includes the victim fails (out of memory, say): the batch is retried one sequence
     at a time, so only the victim fails and the request sharing its passes finishes unchanged."""
-    engine = client._runtime.engine
-    real_forward = engine._forward
+    engine = client.engine
     expected = await client.generate(PROMPT, max_tokens=16)
 
-    def forward(rows):
-        victims = {state.block for seq, state in engine._state.items() if seq.params.max_tokens == 7}
-        if any(row.block in victims for row in rows):
+    def fault(seqs):
+        if any(seq.params.max_tokens == 7 for seq in seqs):
             raise MemoryError("simulated out of memory")
-        return real_forward(rows)
 
-    monkeypatch.setattr(engine, "_forward", forward)
+    monkeypatch.setattr(engine, "before_pass", fault)
     healthy = asyncio.create_task(client.generate(PROMPT, max_tokens=16))
     with pytest.raises(agentspec.EngineError, match="out of memory") as info:
         await client.generate(PROMPT, max_tokens=7)
     assert isinstance(info.value.__cause__, MemoryError)
     done = await healthy
     assert done.token_ids == expected.token_ids
-    monkeypatch.setattr(engine, "_forward", real_forward)
+    monkeypatch.setattr(engine, "before_pass", None)
     again = await client.generate(PROMPT, max_tokens=7)  # the client keeps serving
     assert again.usage.completion_tokens == 7
     assert engine.active == 0
 
 
 async def test_failing_start_ends_one_request_and_the_worker_survives(client, monkeypatch):
-    engine = client._runtime.engine
+    engine = client.engine
     real_start = engine.start
 
     def start(seq):
@@ -101,9 +98,9 @@ async def test_failing_start_ends_one_request_and_the_worker_survives(client, mo
 async def test_concurrent_starts_load_once_and_close_during_start_wins():
     client = agentspec.Client()
     await asyncio.gather(client.start(), client.start())
-    runtime = client._runtime
+    engine = client.engine
     await client.start()
-    assert client._runtime is runtime
+    assert client.engine is engine
     await client.aclose()
 
     closing = agentspec.Client()
@@ -138,4 +135,4 @@ async def test_grammar_dead_end_fails_one_request_with_a_typed_error(client, loa
     assert all(isinstance(e, agentspec.TextDelta) for e in received)  # no Done: the error ended it
     done = await healthy
     assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens > 0
-    assert client._runtime.engine.active == 0
+    assert client.engine.active == 0

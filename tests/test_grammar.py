@@ -120,7 +120,7 @@ def test_output_validates_and_speculative_equals_plain(engine, loaded, name):
                 state = grammar.initial_state
                 for token in seq.output_ids:
                     state = grammar.next_state(state, token)
-                assert engine._state[seq].grammar_state == state
+                assert engine.grammar_state(seq) == state
         finally:
             engine.release(seq)
         runs[label] = seq

@@ -12,7 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import agentspec
-from agentspec import engine as engine_module
+from agentspec.engine import engine as engine_module
 
 from .test_client import COPY, STORY, wait_idle
 
@@ -78,7 +78,7 @@ async def test_timeout_ends_the_request_and_keeps_what_was_streamed(client):
     assert received and all(isinstance(e, agentspec.TextDelta) for e in received)
     assert isinstance(agentspec.RequestTimeoutError("x"), TimeoutError)
     await wait_idle(client)
-    assert client._runtime.engine.active == 0  # its KV cache is freed
+    assert client.engine.active == 0  # its KV cache is freed
     done = await client.generate(COPY, max_tokens=4, timeout=60)  # the client keeps serving
     assert done.finish_reason in ("stop", "length")
 
@@ -101,12 +101,13 @@ async def test_shadow_sampling_agrees_with_a_correct_engine(client):
     assert after.quality_diff_sampled == before.quality_diff_sampled
 
 
-def corrupt_speculative_steps(target_tokens: torch.Tensor, draft: torch.Tensor) -> tuple[int, int]:
-    """A broken greedy verifier: whenever there is a draft it commits a wrong token (a neighbouring id);
-    plain steps, which have no draft, stay right, so a plain re-decode is the correct reference."""
-    if draft.numel() == 0:
-        return 0, int(target_tokens[0])
-    return 0, int(target_tokens[0]) ^ 1
+def corrupt_speculative_steps(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A broken greedy verifier (``verify_greedy``'s signature, over a pass's flattened rows): every
+    sequence with a draft commits a wrong token (a neighbouring id) and accepts none; plain steps,
+    which have no draft, stay right, so a plain re-decode is the correct reference."""
+    starts = torch.cumsum(counts + 1, 0) - (counts + 1)  # each sequence's first row
+    first = target_tokens[starts]
+    return torch.zeros_like(counts), torch.where(counts > 0, first ^ 1, first)
 
 
 async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""``agentspec.plot`` writes readable PNGs from synthetic bench rows (no model is loaded)."""
+"""``agentspec.bench.plot`` writes readable PNGs from synthetic bench rows (no model is loaded)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 import matplotlib  # noqa: F401  (the bench extra, which `make` installs: fail here, not skip, without it)
-from agentspec.bench import BenchRow
-from agentspec.loadbench import LoadRow
-from agentspec.plot import write_bench_plot, write_load_plot
+from agentspec.bench import BenchRow, LoadRow
+from agentspec.bench.plot import write_bench_plot, write_load_plot
 
 
 def row(workload: str, system: str, tokens_per_s: float, **extra) -> BenchRow:

@@ -22,7 +22,7 @@ from agentspec.engine import Engine
 from agentspec.params import GenerationParams
 from agentspec.text import TokenDecoder
 from agentspec.types import SpecConfig
-from agentspec.verify import verify_greedy, verify_sampling
+from agentspec.engine.verify import NO_TOKEN, draft_distributions, verify_greedy, verify_sampling
 
 from .conftest import decode, tiny_model
 
@@ -49,8 +49,20 @@ def greedy_reference(target_tokens: list[int], draft_tokens: list[int]) -> tuple
 )))
 def test_greedy_matches_the_reference_loop(case):
     target, draft = case
-    got = verify_greedy(torch.tensor(target), torch.tensor(draft, dtype=torch.long))
-    assert got == greedy_reference(target, draft)
+    accepted, token = verify_greedy(torch.tensor(target), torch.tensor([*draft, NO_TOKEN]), torch.tensor([len(draft)]))
+    assert (int(accepted[0]), int(token[0])) == greedy_reference(target, draft)
+
+
+@FAST
+@given(st.lists(st.integers(0, 8).flatmap(lambda k: st.tuples(
+    st.lists(st.integers(0, VOCAB - 1), min_size=k + 1, max_size=k + 1),
+    st.lists(st.integers(0, 2), min_size=k, max_size=k),
+)), min_size=1, max_size=6))
+def test_greedy_over_a_flattened_pass_matches_the_reference_loop_per_sequence(cases):
+    target = torch.tensor([t for target, _ in cases for t in target])
+    drafted = torch.tensor([t for _, draft in cases for t in (*draft, NO_TOKEN)])
+    accepted, tokens = verify_greedy(target, drafted, torch.tensor([len(draft) for _, draft in cases]))
+    assert list(zip(accepted.tolist(), tokens.tolist())) == [greedy_reference(target, draft) for target, draft in cases]
 
 
 # -- verification: sampling ------------------------------------------------------------------------------
@@ -66,6 +78,17 @@ def random_probs(generator: torch.Generator, rows: int, sparsity: float, scale: 
 
 def sample_rows(generator: torch.Generator, probs: torch.Tensor) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def verify_one(target_probs, draft_tokens, draft_probs, generator) -> tuple[int, int]:
+    """``verify_sampling`` on one sequence, its inputs built as the engine builds them: the draft
+    rows by ``draft_distributions`` (one-hot when ``draft_probs`` is None), K + 1 uniforms drawn from
+    the sequence's generator."""
+    k = draft_tokens.shape[0]
+    rows = draft_distributions(draft_tokens, draft_probs, VOCAB)
+    uniforms = torch.rand(k + 1, generator=generator)
+    accepted, token = verify_sampling(target_probs, torch.cat([draft_tokens, torch.tensor([NO_TOKEN])]), rows, uniforms, torch.tensor([k]))
+    return int(accepted[0]), int(token[0])
 
 
 sampling_case = st.fixed_dictionaries(
@@ -90,7 +113,7 @@ def test_sampling_accepts_only_possible_tokens_and_returns_one_in_the_right_supp
         draft_probs = random_probs(generator, k, case["sparsity"])
         draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
 
-    accepted, token = verify_sampling(target_probs, draft_tokens, draft_probs, generator)
+    accepted, token = verify_one(target_probs, draft_tokens, draft_probs, generator)
 
     assert 0 <= accepted <= k
     for i in range(accepted):  # an accepted draft token is one the target could have produced
@@ -116,7 +139,7 @@ def test_drafting_the_argmax_of_one_hot_targets_is_always_accepted(case):
     argmax = torch.randint(0, VOCAB, (k + 1,), generator=generator)
     target_probs = torch.nn.functional.one_hot(argmax, VOCAB).float()
     draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
-    accepted, token = verify_sampling(target_probs, argmax[:k], draft_probs, generator)
+    accepted, token = verify_one(target_probs, argmax[:k], draft_probs, generator)
     assert (accepted, token) == (k, int(argmax[k]))
 
 
@@ -127,20 +150,26 @@ def test_a_draft_distribution_equal_to_the_target_is_always_accepted(case):
     target_probs = random_probs(generator, k + 1, case["sparsity"])
     draft_probs = target_probs[:k].clone()
     draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
-    accepted, token = verify_sampling(target_probs, draft_tokens, draft_probs, generator)
+    accepted, token = verify_one(target_probs, draft_tokens, draft_probs, generator)
     assert accepted == k
     assert target_probs[k, token] > 0
 
 
 @FAST
 @given(sampling_case)
-def test_sampling_is_a_function_of_the_generator_state(case):
+def test_sampling_is_a_function_of_the_uniforms(case):
     k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
     target_probs = random_probs(generator, k + 1, case["sparsity"])
     draft_tokens = torch.randint(0, VOCAB, (k,), generator=generator)
     draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
-    runs = [verify_sampling(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(7)) for _ in range(2)]
+    # the same generator state gives the same uniforms, and the same uniforms the same verdict
+    runs = [verify_one(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(7)) for _ in range(2)]
     assert runs[0] == runs[1]
+    rows = draft_distributions(draft_tokens, draft_probs, VOCAB)
+    drafted, counts = torch.cat([draft_tokens, torch.tensor([NO_TOKEN])]), torch.tensor([k])
+    uniforms = torch.rand(k + 1, generator=generator)
+    verdicts = [verify_sampling(target_probs, drafted, rows, uniforms.clone(), counts) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*verdicts))
 
 
 # -- detokenization with the real tokenizer's byte table -------------------------------------------------

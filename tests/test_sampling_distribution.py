@@ -16,13 +16,14 @@ from collections import Counter
 import pytest
 import torch
 
-import agentspec.engine as engine_module
 from agentspec.drafting.base import Draft
 from agentspec.engine import Engine
+from agentspec.engine import engine as engine_module
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
 from .conftest import decode, tiny_model
+from .test_verify import broken_sampling  # a wrong residual, the law tests' negative control
 
 PROMPT = [100, 200, 300]
 TEMPERATURE, TOP_K = 0.8, 3
@@ -125,18 +126,6 @@ def make_engine(tiny, candidates) -> Engine:
     return engine
 
 
-def broken_verify_sampling(target_probs, draft_tokens, draft_probs, generator):
-    """A wrong residual: the recovered token drawn from p instead of norm(max(p - q, 0))."""
-    k = draft_tokens.shape[0]
-    positions = torch.arange(k, device=target_probs.device)
-    p_draft = target_probs[positions, draft_tokens]
-    q_draft = draft_probs[positions, draft_tokens] if draft_probs is not None else torch.ones_like(p_draft)
-    uniforms = torch.rand(k, generator=generator, device=target_probs.device)
-    rejected = (uniforms * q_draft >= p_draft).nonzero()
-    accepted = int(rejected[0]) if rejected.numel() else k
-    return accepted, int(torch.multinomial(target_probs[accepted], 1, generator=generator))
-
-
 def sample(engine: Engine, runs: int, seed_offset: int) -> tuple[Counter, dict[str, int]]:
     outcomes: Counter = Counter()
     totals = {"drafted": 0, "accepted": 0, "rejected": 0}
@@ -191,7 +180,7 @@ def test_speculative_sampling_matches_the_exact_law(tiny, exact):
 
 def test_the_harness_detects_a_wrong_residual(tiny, exact, monkeypatch):
     law, candidates = exact
-    monkeypatch.setattr(engine_module, "verify_sampling", broken_verify_sampling)
+    monkeypatch.setattr(engine_module, "verify_sampling", broken_sampling)
     engine = make_engine(tiny, candidates)
     outcomes, totals = sample(engine, BROKEN_RUNS, seed_offset=RUNS)
     assert totals["drafted"] == BROKEN_RUNS and totals["accepted"] > 0

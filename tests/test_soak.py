@@ -155,8 +155,8 @@ async def test_soak(client):
     await wait_idle(client, timeout=10.0)
 
     # nothing left behind: no sequence (hence no KV cache) in the engine, no new thread
-    engine = client._runtime.engine
-    assert engine.active == 0 and not engine._state
+    engine = client.engine
+    assert engine.active == 0 and engine.kv_bytes == 0
     leaked = [t for t in set(threading.enumerate()) - threads_before if t.is_alive() and t.name != "AnyIO worker thread"]
     assert not leaked, leaked
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import agentspec
-from agentspec.workloads import workload
+from agentspec.bench.workloads import workload
 
 SUBSETS = [("grammar",), ("ngram",), ("suffix",), ("grammar", "suffix"), ("grammar", "ngram", "suffix")]
 

@@ -11,11 +11,11 @@ import pytest
 
 import agentspec
 from agentspec.engine import Engine
-from agentspec.grammar import AutoCallGrammar, RepeatedGrammar
+from agentspec.structured.grammar import AutoCallGrammar, RepeatedGrammar
 from agentspec.params import GenerationParams
-from agentspec.tools import ToolCallParser, call_schema, parse_tools
+from agentspec.structured.tools import ToolCallParser, call_schema, parse_tools
 from agentspec.types import SpecConfig
-from agentspec.workloads import WEATHER_TOOL as WEATHER
+from agentspec.bench.workloads import WEATHER_TOOL as WEATHER
 
 from .conftest import decode, tiny_model
 

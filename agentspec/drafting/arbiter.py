@@ -28,8 +28,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from ..budget import AcceptanceModel, CostModel, expected_tokens
+from typing import TYPE_CHECKING
+
+from .acceptance import AcceptanceModel, expected_tokens
 from .base import NO_DRAFT, Draft, Drafter, common_prefix
+
+if TYPE_CHECKING:
+    from ..engine.lengths import CostModel
 
 __all__ = ["ArbiterDrafter", "SourceHistory"]
 
@@ -156,7 +161,7 @@ class ArbiterDrafter:
             # its drafting cost is spent: compare what verifying it yields per verification ms
             cut, rate = self._best_length(source, len(draft.tokens), first, rest, sunk=True)
             if cut and rate > best_rate:
-                best, best_rate = _cut(draft, cut), rate
+                best, best_rate = draft.cut(cut), rate
         self.chosen = best.source if best.tokens else None
         return best
 
@@ -192,17 +197,4 @@ class ArbiterDrafter:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
-
-
-def _cut(draft: Draft, length: int) -> Draft:
-    if length >= len(draft.tokens):
-        return draft
-    probs = draft.probs[:length] if draft.probs is not None else None
-    return Draft(
-        draft.tokens[:length],
-        draft.source,
-        probs,
-        draft.evidence,
-        min(draft.forced, length),
-    )
 

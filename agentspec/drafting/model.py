@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import ModelLoadError
-from ..logits import LogitsPipeline
+from ..logits import LogitsPipeline, sampling_generator
 from ..params import GenerationParams
 from .base import Draft, common_prefix
 
@@ -36,6 +36,7 @@ __all__ = [
     "early_exit_drafter",
 ]
 
+DRAFT_SEED_SALT = 0x5EED_D4AF  # xor-ed into the request seed: the draft model samples with its own stream
 CONFIDENCE_BUCKETS = 4  # evidence 1..4: the draft's own probability of its first token, in quarters
 
 
@@ -71,13 +72,8 @@ class ModelDrafter:
             device,
         )
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
-        self.generator: torch.Generator | None = None
-        if not params.greedy:  # its own randomness, independent of the verifier's
-            self.generator = torch.Generator(device=device)
-            if params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(params.seed ^ 0x5EED_D4AF)
+        # its own randomness, independent of the verifier's
+        self.generator = sampling_generator(params, device, salt=DRAFT_SEED_SALT)
         self.reset(())
 
     # -- the Drafter protocol -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from .base import Draft
-from .spans import ByteSpanIndex
+from .byte_ngrams import ByteNgramIndex
 
 if TYPE_CHECKING:
     from ..model import LoadedModel
@@ -79,7 +79,7 @@ class NgramDrafter:
     """The prompt-and-output n-gram drafter (``source="ngram"``).
 
     Given the model's ``loaded`` vocabulary it also matches across token boundaries
-    (``spans.ByteSpanIndex``) when that covers more of the last tokens than a token n-gram does;
+    (``byte_ngrams.ByteNgramIndex``) when that covers more of the last tokens than a token n-gram does;
     the evidence is the number of last tokens the match covers either way.
     """
 
@@ -87,39 +87,39 @@ class NgramDrafter:
 
     def __init__(self, *, min_n: int = 1, max_n: int = 4, loaded: LoadedModel | None = None) -> None:
         self.min_n, self.max_n, self.loaded = min_n, max_n, loaded
-        self.index, self.spans = self._empty_indexes()
+        self.index, self.byte_ngrams = self._empty_indexes()
 
-    def _empty_indexes(self) -> tuple[NgramIndex, ByteSpanIndex | None]:
-        spans = None
+    def _empty_indexes(self) -> tuple[NgramIndex, ByteNgramIndex | None]:
+        byte_ngrams = None
         if self.loaded is not None:
             tokenizer = self.loaded.tokenizer
-            spans = ByteSpanIndex(self.loaded.token_bytes, lambda text: tokenizer.encode(text, add_special_tokens=False), max_n=self.max_n)
-        return NgramIndex(min_n=self.min_n, max_n=self.max_n), spans
+            byte_ngrams = ByteNgramIndex(self.loaded.token_bytes, lambda text: tokenizer.encode(text, add_special_tokens=False), max_n=self.max_n)
+        return NgramIndex(min_n=self.min_n, max_n=self.max_n), byte_ngrams
 
     def reset(self, prompt: Sequence[int]) -> None:
-        self.index, self.spans = self._empty_indexes()
+        self.index, self.byte_ngrams = self._empty_indexes()
         self.index.extend(prompt)
-        if self.spans is not None:
-            self.spans.extend(prompt)
+        if self.byte_ngrams is not None:
+            self.byte_ngrams.extend(prompt)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
         tokens, n = self.index.propose(k, after)
-        if self.spans is not None and n < self.max_n:
-            span_tokens, m = self.spans.propose(k, after, longer_than=max(n, self.min_n - 1))
-            if span_tokens:
-                tokens, n = span_tokens, m
+        if self.byte_ngrams is not None and n < self.max_n:
+            byte_tokens, m = self.byte_ngrams.propose(k, after, longer_than=max(n, self.min_n - 1))
+            if byte_tokens:
+                tokens, n = byte_tokens, m
         return Draft(tokens=tokens, source=self.source, evidence=n)
 
     def observe(self, committed: Sequence[int]) -> None:
         self.index.extend(committed)
-        if self.spans is not None:
-            self.spans.extend(committed)
+        if self.byte_ngrams is not None:
+            self.byte_ngrams.extend(committed)
 
 
 def ngram_drafter(params: GenerationParams, loaded: LoadedModel | None = None) -> NgramDrafter | None:
     """The n-gram drafter a request's settings ask for; None when it does not speculate. With the
     model's ``loaded`` vocabulary it also copies text whose token boundaries moved."""
     spec = params.spec
-    if not spec.enabled or spec.max_draft_tokens == 0 or "ngram" not in spec.sources:
+    if not spec.speculates or "ngram" not in spec.sources:
         return None
     return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max, loaded=loaded)

@@ -60,7 +60,7 @@ class DraftSources:
     def drafter(self, params: GenerationParams) -> Drafter | None:
         """The request's drafter over the sources it allows (``SpecConfig.sources``) that can propose now."""
         spec = params.spec
-        if not spec.enabled or spec.max_draft_tokens == 0:
+        if not spec.speculates:
             return None
         sources: list[Drafter] = []
         if (ngram := ngram_drafter(params, self.loaded)) is not None:

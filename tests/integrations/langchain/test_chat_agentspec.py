@@ -100,7 +100,7 @@ async def test_stopping_astream_stops_decoding(how: str) -> None:
     after = await settled(client, before.requests + 1)
     generated = after.output_tokens - before.output_tokens
     assert generated < LONG_MAX_TOKENS // 4, f"{generated} tokens decoded after the consumer stopped"
-    assert client._runtime is not None and client._runtime.running == 0
+    assert client.pending_requests == 0
 
 
 def test_breaking_out_of_sync_stream_stops_decoding() -> None:

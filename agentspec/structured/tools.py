@@ -15,9 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 from .grammar import schema_regex
-from .types import ToolCall, ToolCallDelta
+from ..types import ToolCall, ToolCallDelta
 
 __all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser"]
 

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentspec.budget import AcceptanceModel, CostModel, choose_draft_length, expected_tokens
+from agentspec.drafting.acceptance import Acceptance, AcceptanceModel, expected_tokens
+from agentspec.engine.lengths import CostModel, RowBudget, choose_lengths
+
+
+def choose_draft_length(available: int, first: float, costs: CostModel, rest: float | None = None) -> int:
+    """The case of one sequence alone in its pass: its one uncached token and ``available`` drafts."""
+    acceptance = Acceptance(first, first if rest is None else rest)
+    return choose_lengths([RowBudget(1, 1.0, available, acceptance)], costs)[0]
 
 
 def brute_force_expected(acceptance: float, k: int, rest: float | None = None) -> float:

@@ -12,14 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..types import DRAFT_SOURCES  # stacked in this order; sources it does not name follow
+from .systems import PEERS
+
 if TYPE_CHECKING:
-    from .bench import BenchRow
-    from .loadbench import LoadRow
+    from .load import LoadRow
+    from .single import BenchRow
 
 __all__ = ["write_bench_plot", "write_load_plot"]
 
-PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
-SOURCES = ("grammar", "ngram", "suffix", "model")  # draft sources in stacking order; others follow
 TARGET = "target (not drafted)"
 _SYSTEM = "agentspec"
 
@@ -31,7 +32,7 @@ def _matplotlib() -> Any:
         import matplotlib.figure  # noqa: F401  (Figure: no pyplot, so no global backend is switched)
     except ImportError as exc:
         raise ImportError(
-            "agentspec.plot needs matplotlib: pip install matplotlib (or pip install 'agentspec[bench]')"
+            "agentspec.bench.plot needs matplotlib: pip install matplotlib (or pip install 'agentspec[bench]')"
         ) from exc
     return matplotlib
 
@@ -83,7 +84,7 @@ def _sources_panel(ax: Any, workloads: list[str], by_key: dict[tuple[str, str], 
     """Stacked bars: share of agentspec's output tokens accepted from each draft source, and the rest."""
     rows = [by_key[(name, _SYSTEM)] for name in workloads]
     seen = {s for row in rows for s in row.accepted_by_source}
-    sources = [s for s in SOURCES if s in seen] + sorted(seen - set(SOURCES))
+    sources = [s for s in DRAFT_SOURCES if s in seen] + sorted(seen - set(DRAFT_SOURCES))
     bottoms = [0.0] * len(rows)
     for part in [*sources, TARGET]:
         shares = []
@@ -118,10 +119,10 @@ def _per_source_panel(ax: Any, workloads: list[str], by_key: dict[tuple[str, str
 
 def _colors(mpl: Any, rows: list[BenchRow], single: list[str]) -> dict[str, Any]:
     """One colour per peer and draft source; a single-source system takes its source's colour."""
-    extra = sorted({s for r in rows for s in r.accepted_by_source} - set(SOURCES))
+    extra = sorted({s for r in rows for s in r.accepted_by_source} - set(DRAFT_SOURCES))
     tab10 = mpl.colormaps["tab10"].colors
     palette = [*tab10[:7], *tab10[8:], *mpl.colormaps["Dark2"].colors]  # grey is kept for the target
-    colors: dict[str, Any] = dict(zip([*PEERS, *SOURCES, _SYSTEM, *extra], palette * 2))
+    colors: dict[str, Any] = dict(zip([*PEERS, *DRAFT_SOURCES, _SYSTEM, *extra], palette * 2))
     colors[TARGET] = "0.82"
     colors.update({system: colors.get(system[len(_SYSTEM) + 1:-1], "0.5") for system in single})
     return colors

@@ -191,8 +191,8 @@ def load_workloads(path: str) -> list[Workload]:
     ``"max_tokens"`` and ``"params"`` (e.g. tools, response_format), as ``Client.stream`` takes them."""
     import json
 
-    from .params import parse_params
-    from .types import SpecConfig
+    from ..params import parse_params
+    from ..types import SpecConfig
 
     items: list[Workload] = []
     with open(path, encoding="utf-8") as lines:

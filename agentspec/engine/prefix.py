@@ -31,8 +31,6 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[int, tuple[torch.Tensor, KVBlock]] = collections.OrderedDict()
         self._next = 0
-        self.hits = 0
-        self.reused_tokens = 0
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +73,4 @@ class PrefixCache:
             return 0
         self._entries.move_to_end(best_key)
         block.copy_prefix(self._entries[best_key][1], best)
-        self.hits += 1
-        self.reused_tokens += best
         return best

@@ -1,20 +1,8 @@
-"""``agentspec bench``: agentspec against its peers, in one process, on the same model and prompts.
+"""One request stream at a time: every system on every workload it applies to, timed in one process.
 
-Systems (all greedy, same stop tokens, same max_tokens):
-- ``hf_plain``          transformers ``generate(do_sample=False)``
-- ``hf_prompt_lookup``  transformers ``generate(prompt_lookup_num_tokens=10)`` (n-gram assisted)
-- ``outlines``          outlines' own constrained generation (``outlines.Generator`` over the same
-                        transformers model, the same JSON schema, compact whitespace)
-- ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
-- ``agentspec[S+...]``  agentspec drafting from the named sources only (``SpecConfig.sources``):
-                        each source on its own, where the workload gives it something to draft
-- ``agentspec``         agentspec with speculation, every source
-
-A system runs where it can do the task: transformers ``generate`` has no grammar, so not on the
-constrained workloads (tool call, extraction, agent loop); outlines only on those (one request each);
-``agentspec[grammar]`` only under a grammar, ``agentspec[suffix]`` only on the agent loop (every
-other timed request starts with the suffix cache cleared), ``agentspec[model]`` only with a draft
-model; a subset of sources only where it leaves out one that applies (else it is ``agentspec``).
+``run_bench`` runs the systems of ``systems.py`` on the same model and prompts (transformers
+``generate`` and outlines through the client's own model, on its worker thread) and returns a row per
+(workload, system) it applies to.
 
 Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, identical_to_plain,
 spread, acceptance, tokens_per_pass, accepted_by_source} (``seconds`` is the median of the repeats,
@@ -23,88 +11,35 @@ where ``identical_to_plain`` compares the output with the first system run (``hf
 ``agentspec_plain`` under the same grammar for the constrained workloads; outlines by text, as it
 returns text). Speed is always a ratio against a baseline measured in the same process, never an
 absolute claim.
+
+``ngram_oracle_speedup`` bounds what the n-gram drafter could gain on a known output;
+``suffix_gain`` pairs the rows that show what the suffix cache adds on an agent loop.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from .budget import CostModel
-from .client import Client
-from .drafting import NgramIndex
-from .metrics import sum_stats
-from .params import parse_params
-from .tools import with_tool_prompt
-from .loadbench import clear_caches, format_load_table, run_concurrency, second_turn_ttft
-from .types import DRAFT_SOURCES, Completion, SpecConfig, SpecStats
-from .workloads import WORKLOADS, Workload, load_workloads, workload
+from ..client import Client
+from ..drafting import NgramIndex
+from ..drafting.base import common_prefix
+from ..metrics import sum_stats
+from ..params import parse_params
+from ..structured.tools import with_tool_prompt
+from ..types import Completion, SpecConfig, SpecStats
+from .systems import SUFFIX_PAIRS, SYSTEMS, applies, parse_system
+from .workloads import WORKLOADS, Workload
 
-__all__ = ["BenchRow", "SYSTEMS", "applies", "parse_system", "run_bench", "ngram_oracle_speedup", "format_table", "main"]
+if TYPE_CHECKING:
+    from ..engine.lengths import CostModel
 
-PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
-# each source alone; what the suffix cache adds on the agent loop, to n-grams alone and to grammar +
-# n-grams (``suffix_gain``); all
-SUFFIX_PAIRS = (("agentspec[ngram+suffix]", "agentspec[ngram]"), ("agentspec", "agentspec[grammar+ngram]"))
-SYSTEMS = (
-    *PEERS,
-    *(f"agentspec[{source}]" for source in DRAFT_SOURCES),
-    "agentspec[ngram+suffix]",
-    "agentspec[grammar+ngram]",
-    "agentspec",
-)
-
-
-def parse_system(system: str) -> tuple[str, ...] | None:
-    """The draft sources of an agentspec system (``"agentspec[grammar+ngram]"``), None for a peer.
-
-    Raises ValueError for a name that is neither.
-    """
-    if system == "agentspec":
-        return DRAFT_SOURCES
-    if system in PEERS:
-        return None
-    if system.startswith("agentspec[") and system.endswith("]"):
-        sources = tuple(system[len("agentspec[") : -1].split("+"))
-        if sources and set(sources) <= set(DRAFT_SOURCES) and len(set(sources)) == len(sources):
-            return sources
-    raise ValueError(
-        f"unknown system {system!r}; choose from {', '.join(PEERS)}, agentspec, or agentspec[S+...] with S in "
-        f"{', '.join(DRAFT_SOURCES)}"
-    )
-
-
-def applicable_sources(work: Workload, client: Client) -> tuple[str, ...]:
-    """The draft sources that have something to draft on this workload."""
-    return tuple(
-        source for source in DRAFT_SOURCES
-        if source == "ngram"
-        or (source == "grammar" and work.constrained)
-        or (source == "suffix" and work.is_loop)
-        or (source == "model" and client.draft is not None)
-    )
-
-
-def applies(system: str, work: Workload, client: Client) -> bool:
-    """Whether ``system`` runs on ``work`` (see the module docstring)."""
-    if system.startswith("hf_"):
-        return not work.constrained
-    if system == "outlines":
-        return work.constrained and not work.is_loop
-    sources = parse_system(system)
-    if sources is None or system == "agentspec":
-        return True
-    useful = set(applicable_sources(work, client))
-    return set(sources) < useful  # a proper subset: otherwise the same run as ``agentspec``
+__all__ = ["BenchRow", "run_bench", "format_table", "ngram_oracle_speedup", "suffix_gain"]
 
 
 @dataclass
@@ -239,7 +174,7 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
     # its whole prompt: the bench repeats identical requests, which the suffix cache would replay
     # verbatim and the prefix cache would not prefill (real, but not what these rows measure; see
     # --concurrency for reuse). Inside an agent loop both caches work as they would for an agent.
-    await clear_caches(client)
+    await client.clear_caches()
     if work.is_loop:
         return _collect(await _agent_loop(client, work, max_tokens, spec))
     return _collect([await client.generate(work.messages, max_tokens=max_tokens, speculative=spec, **work.params)])
@@ -314,9 +249,7 @@ def ngram_oracle_speedup(prompt_ids: list[int], output_ids: list[int], costs: Co
     position, spent = 0, 0.0
     while position < len(output_ids):
         draft, _ = index.propose(spec.max_draft_tokens)
-        matched = 0
-        while matched < len(draft) and position + matched < len(output_ids) and draft[matched] == output_ids[position + matched]:
-            matched += 1
+        matched = common_prefix(draft, output_ids[position : position + len(draft)])
         if matched and (matched + 1) / costs.effective_cost(matched + 1) > 1 / costs.effective_cost(1):
             step, spent = matched + 1, spent + costs.effective_cost(matched + 1)
         else:
@@ -324,12 +257,6 @@ def ngram_oracle_speedup(prompt_ids: list[int], output_ids: list[int], costs: Co
         index.extend(output_ids[position : position + step])
         position += step
     return len(output_ids) * costs.effective_cost(1) / spent if spent else 1.0
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    """``[#######.............]  7/20``: one per finished cell (a line each, so logs keep them)."""
-    filled = round(width * done / total) if total else width
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}"
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -367,81 +294,3 @@ def suffix_gain(rows: list[BenchRow]) -> list[tuple[str, BenchRow, BenchRow]]:
                 gains.append((name, a, b))
     return gains
 
-
-async def main(args: Any) -> int:
-    names = [n for n in args.workloads.split(",") if n] if args.workloads else [w.name for w in WORKLOADS]
-    try:
-        selected = load_workloads(args.prompts) if args.prompts else [workload(name) for name in names]
-        systems = args.systems.split(",") if args.systems else SYSTEMS
-        for system in systems:
-            parse_system(system)
-    except (KeyError, ValueError, OSError) as exc:
-        raise SystemExit(str(exc)) from None
-    async with Client(args.model, device=args.device, draft=args.draft) as client:
-        print(f"model {client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}); workloads: "
-              f"{', '.join(w.name for w in selected)}", flush=True)
-        if args.concurrency:
-            return await _load_main(client, args, selected)
-        if "outlines" in systems and importlib.util.find_spec("outlines") is None:
-            print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
-            systems = [s for s in systems if s != "outlines"]
-        cells = sum(1 for w in selected for s in systems if applies(s, w, client))
-        done = itertools.count(1)
-        rows = await run_bench(
-            client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
-            on_row=lambda r: print(
-                f"  {progress_bar(next(done), cells)} {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s",
-                file=sys.stderr, flush=True,
-            ),
-        )
-        bounds = {}
-        for work in (w for w in selected if not w.constrained):  # a perfect draft-length policy, same n-grams
-            plain = await client.generate(work.messages, max_tokens=args.max_tokens or work.max_tokens, speculative=False)
-            prompt_ids = client.loaded.chat.encode(work.messages)
-            bounds[work.name] = ngram_oracle_speedup(prompt_ids, plain.token_ids, client._runtime.engine.costs, client.spec)
-        title = f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
-    print()
-    print(format_table(rows))
-    if bounds:
-        print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
-              + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
-    for name, with_suffix, without in suffix_gain(rows):
-        print(f"{name}: suffix cache {with_suffix.tokens_per_pass / without.tokens_per_pass:.2f}× tokens per target pass: "
-              f"{with_suffix.system} {with_suffix.tokens_per_pass:.2f}, {without.system} {without.tokens_per_pass:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        print(f"\nrows written to {args.json}")
-    if args.plot:
-        from .plot import write_bench_plot
-
-        print(f"chart written to {write_bench_plot(rows, args.plot, title=title)}")
-    return 0
-
-
-async def _load_main(client: Client, args: Any, selected: list[Workload]) -> int:
-    """``--concurrency``: aggregate throughput, TTFT and TPOT per level; then second-turn TTFT."""
-    try:
-        levels = sorted({int(n) for n in args.concurrency.split(",")})
-    except ValueError:
-        raise SystemExit(f"--concurrency takes comma-separated integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or levels[-1] > client.limits.max_batch:
-        raise SystemExit(f"--concurrency levels must be between 1 and the client's max_batch ({client.limits.max_batch})")
-    open_workloads = [w for w in selected if not w.constrained] or selected
-    rows = await run_concurrency(
-        client, levels, open_workloads, max_tokens=args.max_tokens or 64, repeats=args.repeats,
-        on_row=lambda r: print(f"  {r.system:<16} x{r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True),
-    )
-    cold, warm = await second_turn_ttft(client, open_workloads[0], repeats=max(args.repeats, 3))
-    print()
-    print(format_load_table(rows))
-    print(f"\nsecond turn of a conversation ({open_workloads[0].name}): TTFT {warm:.0f} ms with prefix reuse, "
-          f"{cold:.0f} ms cold ({warm / cold:.0%})")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-        print(f"\nrows written to {args.json}")
-    if args.plot:
-        from .plot import write_load_plot
-
-        title = f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
-        print(f"chart written to {write_load_plot(rows, args.plot, title=title)}")
-    return 0

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError, UnsupportedFeatureError
+from ..errors import InvalidRequestError, UnsupportedFeatureError
 
 __all__ = [
     "AutoCallGrammar",

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .client import Client
-from .types import Completion
+from ..client import Client
+from ..types import Completion
 from .workloads import Workload
 
-__all__ = ["LoadRow", "run_concurrency", "second_turn_ttft", "format_load_table", "clear_caches"]
+__all__ = ["LoadRow", "run_concurrency", "second_turn_ttft", "format_load_table"]
 
 
 @dataclass
@@ -41,20 +41,6 @@ class LoadRow:
     tpot_ms: float
     tokens_per_pass: float
     scaling: float = 1.0  # tokens_per_s over the same system's at the lowest level
-
-
-async def clear_caches(client: Client) -> None:
-    """Forget earlier requests (prefix keys/values, suffix drafts), on the worker between steps."""
-    engine = client._require_running().engine
-    sources = client._sources
-
-    def clear() -> None:
-        if engine is not None and engine.prefix_cache is not None:
-            engine.prefix_cache.clear()
-        if sources is not None:
-            sources.suffixes.clear()
-
-    await client.run_on_worker(clear)
 
 
 async def run_concurrency(
@@ -79,12 +65,12 @@ async def run_concurrency(
 
             async def one(w: Workload) -> Completion:
                 async with in_flight:
-                    await clear_caches(client)  # the same prompts come round again: no replays, cold prefills
+                    await client.clear_caches()  # the same prompts come round again: no replays, cold prefills
                     return await client.generate(w.messages, max_tokens=max_tokens, speculative=speculative, **w.params)
 
             timings, results = [], []
             for _ in range(repeats):
-                await clear_caches(client)
+                await client.clear_caches()
                 started = time.perf_counter()
                 results = await asyncio.gather(*(one(w) for w in batch))
                 timings.append(time.perf_counter() - started)
@@ -115,9 +101,9 @@ async def second_turn_ttft(client: Client, work: Workload, *, repeats: int = 3) 
     second = [*work.messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Thanks. Say it in one line."}]
     cold, warm = [], []
     for _ in range(repeats):
-        await clear_caches(client)
+        await client.clear_caches()
         cold.append((await client.generate(second, max_tokens=1)).stats.ttft_ms)
-        await clear_caches(client)
+        await client.clear_caches()
         await client.generate(work.messages, max_tokens=work.max_tokens)  # the first turn, as a conversation has it
         warm.append((await client.generate(second, max_tokens=1)).stats.ttft_ms)
     return statistics.median(cold), statistics.median(warm)

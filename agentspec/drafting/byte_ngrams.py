@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
-__all__ = ["ByteSpanIndex", "SEPARATOR"]
+__all__ = ["ByteNgramIndex", "SEPARATOR"]
 
 SEPARATOR = b"\xff"  # stands for a special token (never in UTF-8 text): a copy neither matches nor runs across it
 BYTES_PER_TOKEN = 6  # continuation bytes read per draft token wanted (English averages about 4)
 
 
-class ByteSpanIndex:
+class ByteNgramIndex:
     """The prompt and committed output as one byte string (a special token as ``SEPARATOR``).
 
     ``propose(k, pending, longer_than)`` matches the bytes of the last m tokens (m from ``max_n``

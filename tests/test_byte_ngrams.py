@@ -1,4 +1,4 @@
-"""Copying across moved token boundaries (``drafting.spans``): the case it exists for on the real
+"""Copying across moved token boundaries (``drafting.byte_ngrams``): the case it exists for on the real
 tokenizer, and an exhaustive check that with one-byte tokens it is exactly the token n-gram index."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentspec.drafting.ngram import NgramDrafter, NgramIndex
-from agentspec.drafting.spans import ByteSpanIndex
+from agentspec.drafting.byte_ngrams import ByteNgramIndex
 
 PROMPT = "Send an e-mail to maria.garcia@example.com about the Harbor 4.2 upgrade."
 
@@ -17,15 +17,15 @@ def encode(loaded, text: str) -> list[int]:
     return loaded.tokenizer.encode(text, add_special_tokens=False)
 
 
-def spans(loaded, **kwargs) -> ByteSpanIndex:
-    return ByteSpanIndex(loaded.token_bytes, lambda text: encode(loaded, text), **kwargs)
+def byte_ngrams(loaded, **kwargs) -> ByteNgramIndex:
+    return ByteNgramIndex(loaded.token_bytes, lambda text: encode(loaded, text), **kwargs)
 
 
 def test_a_json_value_copies_text_the_prompt_tokenized_differently(loaded):
     prompt = encode(loaded, PROMPT)
     output = encode(loaded, '{"to":"') + encode(loaded, "mar")  # the value starts after a quote: no leading space
     assert output[-1] not in prompt  # ' maria' is one token in the prompt: a token n-gram has nothing to go on
-    index = spans(loaded)
+    index = byte_ngrams(loaded)
     index.extend(prompt + output)
     draft, covered = index.propose(8)
     assert covered == 1  # the last token's bytes, found inside ' maria'
@@ -38,7 +38,7 @@ def test_a_json_value_copies_text_the_prompt_tokenized_differently(loaded):
 
 
 def test_pending_tokens_extend_the_key(loaded):
-    index = spans(loaded)
+    index = byte_ngrams(loaded)
     index.extend(encode(loaded, PROMPT) + encode(loaded, '{"subject":"'))
     draft, covered = index.propose(4, pending=encode(loaded, "Harbor"))
     assert covered >= 1
@@ -47,7 +47,7 @@ def test_pending_tokens_extend_the_key(loaded):
 
 def test_a_copy_stops_at_a_special_token(loaded):
     im_end = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    index = spans(loaded)
+    index = byte_ngrams(loaded)
     index.extend(encode(loaded, "the code is XK-42") + [im_end] + encode(loaded, "code is XK"))
     draft, covered = index.propose(8)
     assert covered >= 2 and im_end not in draft
@@ -55,10 +55,10 @@ def test_a_copy_stops_at_a_special_token(loaded):
 
 
 def test_keys_shorter_than_min_bytes_and_no_earlier_occurrence_propose_nothing(loaded):
-    index = spans(loaded, min_bytes=4)
+    index = byte_ngrams(loaded, min_bytes=4)
     index.extend(encode(loaded, "abc xyz abc"))
     assert index.propose(4) == ([], 0)  # " abc" has no earlier occurrence; "abc" is too short
-    assert spans(loaded).propose(4) == ([], 0)  # empty text
+    assert byte_ngrams(loaded).propose(4) == ([], 0)  # empty text
     index.extend(encode(loaded, " xyz"))
     assert index.propose(0) == ([], 0)
 
@@ -102,7 +102,7 @@ def letters(text: str) -> list[int]:
 def test_with_one_byte_tokens_spans_are_token_ngrams(tokens, pending, min_n, extra, k):
     """Every token boundary is a byte boundary here, so matching bytes is matching tokens."""
     max_n = min_n + extra
-    index = ByteSpanIndex(LETTERS, letters, max_n=max_n, min_bytes=min_n)
+    index = ByteNgramIndex(LETTERS, letters, max_n=max_n, min_bytes=min_n)
     reference = NgramIndex(min_n=min_n, max_n=max_n)
     index.extend(tokens)
     reference.extend(tokens)
@@ -111,7 +111,7 @@ def test_with_one_byte_tokens_spans_are_token_ngrams(tokens, pending, min_n, ext
 
 @pytest.mark.parametrize("longer_than", [0, 1, 2])
 def test_longer_than_bounds_the_match(longer_than):
-    index = ByteSpanIndex(LETTERS, letters, max_n=4, min_bytes=1)
+    index = ByteNgramIndex(LETTERS, letters, max_n=4, min_bytes=1)
     index.extend(letters("abcdbcdacd"))  # of the last tokens, "cd" repeats (most recently at 5..6, then "ac"), "acd" does not
     draft, covered = index.propose(2, longer_than=longer_than)
     expected = {0: (letters("ac"), 2), 1: (letters("ac"), 2), 2: ([], 0)}[longer_than]

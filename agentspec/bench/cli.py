@@ -1,0 +1,111 @@
+"""``agentspec bench``: agentspec against its peers, in one process, on the same model and prompts.
+
+The command's entry point behind ``agentspec bench`` (the flags are parsed by ``agentspec.cli``):
+``main`` runs the single-stream rows (``single.py``) and prints their table, the n-gram oracle bound
+and the suffix cache's gain; with ``--concurrency`` it runs the load rows (``load.py``) instead.
+``--json`` writes the rows, ``--plot`` the chart (``plot.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from ..client import Client
+from .load import format_load_table, run_concurrency, second_turn_ttft
+from .plot import write_bench_plot, write_load_plot
+from .single import format_table, ngram_oracle_speedup, run_bench, suffix_gain
+from .systems import SYSTEMS, applies, parse_system
+from .workloads import WORKLOADS, Workload, load_workloads, workload
+
+__all__ = ["main", "progress_bar"]
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[#######.............]  7/20``: one per finished cell (a line each, so logs keep them)."""
+    filled = round(width * done / total) if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done:>{len(str(total))}}/{total}"
+
+
+def _describe(client: Client) -> str:
+    """``SmolLM2-135M-Instruct on cpu (torch.float32)``: the model line and the charts' title."""
+    return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
+
+
+def _save(args: Any, rows: list[Any], write_plot: Callable[..., Path], title: str) -> None:
+    """``--json``: the rows (dataclasses) as a JSON list; ``--plot``: their chart, drawn by ``write_plot``."""
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        print(f"\nrows written to {args.json}")
+    if args.plot:
+        print(f"chart written to {write_plot(rows, args.plot, title=title)}")
+
+
+async def main(args: Any) -> int:
+    names = [n for n in args.workloads.split(",") if n] if args.workloads else [w.name for w in WORKLOADS]
+    try:
+        selected = load_workloads(args.prompts) if args.prompts else [workload(name) for name in names]
+        systems = args.systems.split(",") if args.systems else SYSTEMS
+        for system in systems:
+            parse_system(system)
+    except (KeyError, ValueError, OSError) as exc:
+        raise SystemExit(str(exc)) from None
+    async with Client(args.model, device=args.device, draft=args.draft) as client:
+        print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
+        if args.concurrency:
+            return await _load_main(client, args, selected)
+        if "outlines" in systems and importlib.util.find_spec("outlines") is None:
+            print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
+            systems = [s for s in systems if s != "outlines"]
+        cells = sum(1 for w in selected for s in systems if applies(s, w, client))
+        done = itertools.count(1)
+        rows = await run_bench(
+            client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
+            on_row=lambda r: print(
+                f"  {progress_bar(next(done), cells)} {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s",
+                file=sys.stderr, flush=True,
+            ),
+        )
+        bounds = {}
+        for work in (w for w in selected if not w.constrained):  # a perfect draft-length policy, same n-grams
+            plain = await client.generate(work.messages, max_tokens=args.max_tokens or work.max_tokens, speculative=False)
+            prompt_ids = client.loaded.chat.encode(work.messages)
+            bounds[work.name] = ngram_oracle_speedup(prompt_ids, plain.token_ids, client.engine.costs, client.spec)
+        title = _describe(client)
+    print()
+    print(format_table(rows))
+    if bounds:
+        print("\nn-gram oracle bound (perfect draft lengths, same drafter) over plain: "
+              + ", ".join(f"{name} {bound:.2f}×" for name, bound in bounds.items()))
+    for name, with_suffix, without in suffix_gain(rows):
+        print(f"{name}: suffix cache {with_suffix.tokens_per_pass / without.tokens_per_pass:.2f}× tokens per target pass: "
+              f"{with_suffix.system} {with_suffix.tokens_per_pass:.2f}, {without.system} {without.tokens_per_pass:.2f}")
+    _save(args, rows, write_bench_plot, title)
+    return 0
+
+
+async def _load_main(client: Client, args: Any, selected: list[Workload]) -> int:
+    """``--concurrency``: aggregate throughput, TTFT and TPOT per level; then second-turn TTFT."""
+    try:
+        levels = sorted({int(n) for n in args.concurrency.split(",")})
+    except ValueError:
+        raise SystemExit(f"--concurrency takes comma-separated integers, got {args.concurrency!r}") from None
+    if not levels or levels[0] < 1 or levels[-1] > client.limits.max_batch:
+        raise SystemExit(f"--concurrency levels must be between 1 and the client's max_batch ({client.limits.max_batch})")
+    open_workloads = [w for w in selected if not w.constrained] or selected
+    rows = await run_concurrency(
+        client, levels, open_workloads, max_tokens=args.max_tokens or 64, repeats=args.repeats,
+        on_row=lambda r: print(f"  {r.system:<16} x{r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True),
+    )
+    cold, warm = await second_turn_ttft(client, open_workloads[0], repeats=max(args.repeats, 3))
+    print()
+    print(format_load_table(rows))
+    print(f"\nsecond turn of a conversation ({open_workloads[0].name}): TTFT {warm:.0f} ms with prefix reuse, "
+          f"{cold:.0f} ms cold ({warm / cold:.0%})")
+    _save(args, rows, write_load_plot, _describe(client))
+    return 0

@@ -1,0 +1,85 @@
+"""The systems ``agentspec bench`` compares, and which workloads each one runs on.
+
+Systems (all greedy, same stop tokens, same max_tokens):
+- ``hf_plain``          transformers ``generate(do_sample=False)``
+- ``hf_prompt_lookup``  transformers ``generate(prompt_lookup_num_tokens=10)`` (n-gram assisted)
+- ``outlines``          outlines' own constrained generation (``outlines.Generator`` over the same
+                        transformers model, the same JSON schema, compact whitespace)
+- ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
+- ``agentspec[S+...]``  agentspec drafting from the named sources only (``SpecConfig.sources``):
+                        each source on its own, where the workload gives it something to draft
+- ``agentspec``         agentspec with speculation, every source
+
+A system runs where it can do the task: transformers ``generate`` has no grammar, so not on the
+constrained workloads (tool call, extraction, agent loop); outlines only on those (one request each);
+``agentspec[grammar]`` only under a grammar, ``agentspec[suffix]`` only on the agent loop (every
+other timed request starts with the suffix cache cleared), ``agentspec[model]`` only with a draft
+model; a subset of sources only where it leaves out one that applies (else it is ``agentspec``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..types import DRAFT_SOURCES
+from .workloads import Workload
+
+if TYPE_CHECKING:
+    from ..client import Client
+
+__all__ = ["PEERS", "SYSTEMS", "SUFFIX_PAIRS", "parse_system", "applicable_sources", "applies"]
+
+PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
+# each source alone; what the suffix cache adds on the agent loop, to n-grams alone and to grammar +
+# n-grams (``suffix_gain``); all
+SUFFIX_PAIRS = (("agentspec[ngram+suffix]", "agentspec[ngram]"), ("agentspec", "agentspec[grammar+ngram]"))
+SYSTEMS = (
+    *PEERS,
+    *(f"agentspec[{source}]" for source in DRAFT_SOURCES),
+    "agentspec[ngram+suffix]",
+    "agentspec[grammar+ngram]",
+    "agentspec",
+)
+
+
+def parse_system(system: str) -> tuple[str, ...] | None:
+    """The draft sources of an agentspec system (``"agentspec[grammar+ngram]"``), None for a peer.
+
+    Raises ValueError for a name that is neither.
+    """
+    if system == "agentspec":
+        return DRAFT_SOURCES
+    if system in PEERS:
+        return None
+    if system.startswith("agentspec[") and system.endswith("]"):
+        sources = tuple(system[len("agentspec[") : -1].split("+"))
+        if sources and set(sources) <= set(DRAFT_SOURCES) and len(set(sources)) == len(sources):
+            return sources
+    raise ValueError(
+        f"unknown system {system!r}; choose from {', '.join(PEERS)}, agentspec, or agentspec[S+...] with S in "
+        f"{', '.join(DRAFT_SOURCES)}"
+    )
+
+
+def applicable_sources(work: Workload, client: Client) -> tuple[str, ...]:
+    """The draft sources that have something to draft on this workload."""
+    return tuple(
+        source for source in DRAFT_SOURCES
+        if source == "ngram"
+        or (source == "grammar" and work.constrained)
+        or (source == "suffix" and work.is_loop)
+        or (source == "model" and client.draft is not None)
+    )
+
+
+def applies(system: str, work: Workload, client: Client) -> bool:
+    """Whether ``system`` runs on ``work`` (see the module docstring)."""
+    if system.startswith("hf_"):
+        return not work.constrained
+    if system == "outlines":
+        return work.constrained and not work.is_loop
+    sources = parse_system(system)
+    if sources is None or system == "agentspec":
+        return True
+    useful = set(applicable_sources(work, client))
+    return set(sources) < useful  # a proper subset: otherwise the same run as ``agentspec``

@@ -1,0 +1,384 @@
+"""The speculative decoding engine: synchronous torch code, driven by one worker thread.
+
+``Engine.step_many(seqs)`` advances every given sequence by one step, all in ONE target pass:
+
+1. **Draft**: per sequence, the tokens its grammar forces, then its drafter's continuation, cut at
+   the first token the grammar rejects (``SequenceState.draft``).
+2. **Draft lengths**: keep of each free draft the length that maximises the tokens the whole pass
+   commits per millisecond (``lengths.choose_lengths``, from measured acceptance and the measured
+   cost of passes by their positions). Under load extra positions stop paying and K falls to 0.
+3. **Plan**: freeze each sequence's part of the pass (``Plan``): its inputs, its verified draft and
+   the grammar masks along it.
+4. **Pad** a pass of decode steps to the cheapest measured shape of at least its positions (on a
+   2-core CPU a pass over 2-3 positions costs more than one over 4-9: two plain sequences step faster
+   padded to 4). A lone plain step is never padded, so plain decoding of one request does not hang on
+   timings; padded positions are written past the committed tokens and dropped with the rejected drafts.
+5. **One pass**: every plan's tokens packed into one target forward (``packed.forward_packed``).
+6. **Verify** every decoding sequence at once (``verify``, flattened over the pass, one host read):
+   each gets its accepted run and one recovered/bonus token.
+7. **Commit** token by token under the stop rules plain decoding applies (stop tokens, stop strings,
+   grammar completion, max_tokens), then roll the keys/values back to the committed tokens.
+8. **Account**: per-sequence statistics and acceptance; the pass's cost for the cost model.
+
+Plain decoding is this loop with K = 0, which is what makes "identical to plain decoding" testable;
+a sequence decodes the same alone or in any batch (up to float rounding between pass shapes, as
+between a verification and a plain step). A sequence's first steps are its prefill (chunks of at most
+``PREFILL_CHUNK`` tokens, minus what the prefix cache supplies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..drafting import NO_DRAFT, Draft, Drafter, ngram_drafter
+from ..drafting.grammar import Spellings
+from ..errors import ModelLoadError
+from ..model import LoadedModel
+from ..params import GenerationParams
+from .kv import KVBlock, KVLayout
+from .lengths import CostModel, RowBudget, choose_lengths
+from .packed import PackedRow, check_packed, forward_packed, use_packed_attention
+from .prefix import PrefixCache
+from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
+from .verify import draft_distributions, flatten, verify_greedy, verify_sampling
+
+__all__ = ["Engine", "Kind", "Plan"]
+
+log = logging.getLogger("agentspec.engine")
+
+DrafterFactory = Callable[[GenerationParams], Drafter | None]
+Verdict = tuple[int, int]  # (accepted draft tokens, the recovered or bonus token)
+
+
+class Kind(enum.Enum):
+    PREFILL = "prefill"  # a chunk of a long prompt: writes keys/values, commits nothing
+    PROMPT_TAIL = "prompt_tail"  # the prompt's last uncached tokens and a draft: commits the first tokens
+    DECODE = "decode"  # the newest committed token and a draft: verified, commits 1..K+1 tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One sequence's part of a pass, frozen once drafting ends.
+
+    inputs: its uncached tokens (a prefill chunk, or the newest committed token);
+    proposed: its draft before the pass's draft lengths cut it; draft: the draft verified;
+    masks: [K+1, V] the grammar's allowed tokens at each verified position (None: unconstrained);
+    pad: filler positions after it (their keys/values are dropped with the rejected drafts).
+    """
+
+    index: int  # the sequence's place in step_many's list
+    state: SequenceState
+    kind: Kind
+    inputs: list[int]
+    proposed: Draft
+    draft: Draft
+    masks: torch.Tensor | None
+    draft_ms: float
+    pad: int = 0
+
+    @property
+    def positions(self) -> int:
+        return len(self.inputs) + len(self.draft.tokens) + self.pad
+
+    def row(self) -> PackedRow:
+        tokens = self.inputs + self.draft.tokens
+        logits = 0 if self.kind is Kind.PREFILL else len(self.draft.tokens) + 1
+        return PackedRow(self.state.block, tokens + tokens[-1:] * self.pad, logits, self.pad)
+
+
+class _Proposal(NamedTuple):
+    """A sequence's step between drafting and freezing its plan."""
+
+    index: int
+    state: SequenceState
+    kind: Kind
+    inputs: list[int]
+    draft: Draft
+    states: list[int]  # grammar states along the draft ([] without a grammar)
+    budget: RowBudget
+    started: float  # when drafting began (perf_counter)
+
+
+class Engine:
+    """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step_many``."""
+
+    PREFILL_CHUNK = 512  # prompt tokens per pass: a long prompt joining a batch delays the others' step by at most this
+    CALIBRATION_SHAPES = (24, 32, 48, 64)  # beyond 1..K+1: the passes of a batch
+    CALIBRATION_TOKEN = 100  # any ordinary token: calibration times pass shapes, whatever the text
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_draft_tokens: int = 16,
+        drafter_factory: DrafterFactory | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        use_packed_attention(self.model)
+        self.layout = KVLayout.of(self.model)
+        self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
+        self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
+        self.drafter_factory = drafter_factory or (lambda params: ngram_drafter(params, loaded))
+        self.prefix_cache = prefix_cache
+        self.spellings = Spellings(loaded.token_bytes)  # how the model writes held tokens, learned from all outputs
+        # Test seam: called with the sequences of every decoding pass before it runs; raising fails
+        # that pass as a real fault (out of memory, say) would.
+        self.before_pass: Callable[[list[Sequence]], None] | None = None
+        self._state: dict[Sequence, SequenceState] = {}  # per-sequence helpers, so `Sequence` stays plain data
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, repeats: int = 3) -> None:
+        """Check the packed attention against the model's own, then measure every pass shape (which
+        also warms the kernels up). The fastest of ``repeats`` runs is kept: interference from other
+        processes only adds time."""
+        try:
+            check_packed(self.model, self.layout)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"{self.loaded.name}: this architecture's attention is not supported by agentspec's batched passes ({exc})."
+            ) from exc
+        token = self.CALIBRATION_TOKEN
+        block = KVBlock(self.layout)
+        forward_packed(self.model, [PackedRow(block, list(range(token, token + context)), 1)])
+        for positions in self._calibrate_shapes:
+            self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
+        # What each further sequence adds to a pass: one token each of ``segments`` sequences against
+        # one sequence of ``segments`` tokens (same positions, same linear layers).
+        segments = 8
+        blocks = [KVBlock(self.layout) for _ in range(segments)]
+        forward_packed(self.model, [PackedRow(b, list(range(token, token + context)), 1) for b in blocks])
+        ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
+        self.costs.segment_ms = max(0.0, (ms - self.costs.cost(segments)) / (segments - 1))
+
+    def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
+        """The fastest of ``repeats`` runs of one pass over ``rows`` (rolled back after each), in ms."""
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            forward_packed(self.model, rows)
+            self._sync()
+            timings.append((time.perf_counter() - started) * 1e3)
+            for row in rows:
+                row.block.length -= len(row.tokens)
+        return min(timings)
+
+    def start(self, seq: Sequence) -> None:
+        """Register a sequence; its first ``step`` is the prefill (of what the prefix cache lacks)."""
+        loaded = self.loaded
+        state = SequenceState(
+            seq,
+            layout=self.layout,
+            vocab_size=loaded.vocab_size,
+            device=self.device,
+            token_bytes=loaded.token_bytes,
+            stop_token_ids=loaded.stop_token_ids,
+            drafter=self.drafter_factory(seq.params),
+            spellings=self.spellings,
+        )
+        if self.prefix_cache is not None:
+            seq.num_cached = self.prefix_cache.fill(state.block, seq.prompt_ids)
+            seq.stats.cached_prompt_tokens = seq.num_cached
+        self._state[seq] = state
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence ended (finished, cancelled or failed): finish its statistics, free its keys/values
+        and helpers. A finished sequence's keys/values go to the prefix cache: the next turn of a
+        conversation starts with them."""
+        seq.finish_stats()
+        state = self._state.pop(seq, None)
+        if state is not None and self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
+            self.prefix_cache.add(seq.tokens[: state.block.length], state.block)
+
+    def close(self) -> None:
+        """Drop every sequence and the prefix cache (their keys/values are freed now)."""
+        self._state.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    @property
+    def active(self) -> int:
+        return len(self._state)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Memory held by the keys/values of active sequences."""
+        return sum(state.block.nbytes for state in self._state.values())
+
+    def __contains__(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is started and not yet released."""
+        return seq in self._state
+
+    def grammar_state(self, seq: Sequence) -> int | None:
+        """The grammar state after ``seq``'s committed tokens (None without a grammar): diagnostics."""
+        grammar = self._state[seq].grammar
+        return grammar.state if grammar is not None else None
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self, seq: Sequence) -> StepOutput:
+        """One step of one sequence; raises what failed it."""
+        result = self.step_many([seq])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def step_many(self, seqs: list[Sequence]) -> list[StepOutput | Exception]:
+        """One step of every sequence in one target pass: what each committed, or what failed it.
+
+        A failure in one sequence (its drafter, grammar, logits) ends that sequence only. If the
+        shared pass itself fails (out of memory, say), each sequence is retried in a pass of its own,
+        so only the ones that fail alone fail.
+        """
+        results: list[StepOutput | Exception | None] = [None] * len(seqs)
+        # 1. Draft: grammar-forced tokens, then the drafter's, cut where the grammar rejects one.
+        proposals = []
+        for index, seq in enumerate(seqs):
+            try:
+                proposals.append(self._propose(index, self._state[seq]))
+            except Exception as exc:
+                results[index] = exc
+        # 2. Draft lengths: what pays for the whole pass (forced tokens always verify).
+        budgets = [proposal.budget for proposal in proposals]
+        lengths = choose_lengths(budgets, self.costs) if any(b.available for b in budgets) else [0] * len(budgets)
+        # 3. Plan: each sequence's part of the pass, frozen.
+        plans = []
+        for proposal, free in zip(proposals, lengths):
+            try:
+                plans.append(self._freeze(proposal, free))
+            except Exception as exc:
+                results[proposal.index] = exc
+        # 4. Pad to the cheapest measured shape.  5.-8. One pass, verify, commit, account.
+        if plans:
+            self._run_pass(self._pad(plans), results)
+        return [result if result is not None else RuntimeError("not stepped") for result in results]
+
+    def _propose(self, index: int, state: SequenceState) -> _Proposal:
+        """1. A prefill chunk, or the newest committed token with this step's draft."""
+        started = time.perf_counter()
+        seq = state.seq
+        uncached = seq.tokens[seq.num_cached :]
+        if len(uncached) > self.PREFILL_CHUNK:  # a long prompt: this pass only writes its keys/values
+            chunk = uncached[: self.PREFILL_CHUNK]
+            return _Proposal(index, state, Kind.PREFILL, chunk, NO_DRAFT, [], state.budget(NO_DRAFT, len(chunk)), started)
+        draft, states = state.draft()
+        kind = Kind.DECODE if len(uncached) == 1 else Kind.PROMPT_TAIL
+        return _Proposal(index, state, kind, uncached, draft, states, state.budget(draft, len(uncached)), started)
+
+    def _freeze(self, proposal: _Proposal, free: int) -> Plan:
+        """3. The plan: the draft cut to its forced tokens and ``free`` more, the masks along it."""
+        draft = proposal.draft.cut(proposal.draft.forced + free)
+        grammar = proposal.state.grammar
+        masks = grammar.masks(proposal.states[: len(draft.tokens) + 1]) if grammar is not None and proposal.kind is not Kind.PREFILL else None
+        draft_ms = (time.perf_counter() - proposal.started) * 1e3
+        return Plan(proposal.index, proposal.state, proposal.kind, proposal.inputs, proposal.draft, draft, masks, draft_ms)
+
+    def _pad(self, plans: list[Plan]) -> list[Plan]:
+        """4. Pad a pass of decode steps to the cheapest measured shape of at least its positions (a
+        2-core CPU runs 2-3 positions slower than 4-9). Never a lone plain step: its output must not
+        hang on timings. Passes with prompt tokens are left as they are."""
+        if any(plan.kind is not Kind.DECODE for plan in plans):
+            return plans
+        positions = sum(plan.positions for plan in plans)
+        pad = self.costs.best_shape(positions) - positions
+        if positions == 1 or pad <= 0:
+            return plans
+        window = self.loaded.context_window
+        room = [window - plan.state.block.length - plan.positions for plan in plans]
+        roomiest = max(range(len(plans)), key=room.__getitem__)
+        if room[roomiest] < pad:
+            return plans
+        return [dataclasses.replace(plan, pad=pad) if i == roomiest else plan for i, plan in enumerate(plans)]
+
+    def _run_pass(self, plans: list[Plan], results: list[StepOutput | Exception | None]) -> None:
+        """5.-8. One target pass over ``plans``, verification, then each one's commit into ``results``.
+        If the pass itself fails with several sequences in it, each is retried in a pass of its own."""
+        started = time.perf_counter()
+        try:
+            if self.before_pass is not None:
+                self.before_pass([plan.state.seq for plan in plans])
+            logits = forward_packed(self.model, [plan.row() for plan in plans])  # 5. one pass
+            self._sync()
+        except Exception as exc:
+            if len(plans) == 1:
+                results[plans[0].index] = exc
+                return
+            log.warning("a batched pass failed (%s); retrying its %d sequences one by one", exc, len(plans))
+            for plan in plans:
+                self._run_pass([plan], results)
+            return
+        pass_ms = (time.perf_counter() - started) * 1e3
+        if all(plan.kind is Kind.DECODE for plan in plans):  # prompt tokens say nothing about verification cost
+            self.costs.record(sum(plan.positions for plan in plans), pass_ms, segments=len(plans))
+        verdicts = self._verify(plans, logits, results)  # 6. verify
+        for plan, verdict in zip(plans, verdicts):
+            if results[plan.index] is not None:  # its logits pipeline failed
+                continue
+            try:
+                results[plan.index] = self._commit(plan, verdict, pass_ms)  # 7. commit, 8. account
+            except Exception as exc:
+                results[plan.index] = exc
+
+    def _verify(self, plans: list[Plan], logits: list[torch.Tensor], results: list[StepOutput | Exception | None]) -> list[Verdict | None]:
+        """6. Every decoding plan's verdict (None for a prefill chunk): its rows through its logits
+        pipeline, then one vectorised call per decoding mode over the pass's flattened rows, read
+        back in one transfer. A plan whose pipeline fails gets its exception in ``results``."""
+        greedy: list[tuple[int, torch.Tensor]] = []  # (plan, [K+1] greedy tokens)
+        sampled: list[tuple[int, torch.Tensor]] = []  # (plan, [K+1, V] distributions)
+        for i, (plan, rows) in enumerate(zip(plans, logits)):
+            if plan.kind is not Kind.PREFILL:
+                try:
+                    (greedy if plan.state.seq.params.greedy else sampled).append((i, plan.state.target(rows, plan.draft, plan.masks)))
+                except Exception as exc:
+                    results[plan.index] = exc
+        verdicts = []
+        if greedy:
+            verdicts.append(verify_greedy(torch.cat([t for _, t in greedy]), *flatten([plans[i].draft.tokens for i, _ in greedy], self.device)))
+        if sampled:
+            target_probs = torch.cat([t for _, t in sampled])  # [T, V]
+            chosen = [plans[i] for i, _ in sampled]
+            drafted, counts = flatten([p.draft.tokens for p in chosen], self.device)
+            vocab = target_probs.shape[-1]
+            draft_probs = torch.cat([draft_distributions(torch.tensor(p.draft.tokens, dtype=torch.long, device=self.device), p.draft.probs, vocab) for p in chosen])
+            uniforms = torch.cat([torch.rand(len(p.draft.tokens) + 1, generator=p.state.generator, device=self.device) for p in chosen])
+            verdicts.append(verify_sampling(target_probs, drafted, draft_probs, uniforms, counts))
+        out: list[Verdict | None] = [None] * len(plans)
+        if verdicts:
+            accepted, tokens = torch.cat([torch.stack(v) for v in verdicts], dim=1).tolist()  # the pass's one host read
+            for (i, _), verdict in zip(greedy + sampled, zip(accepted, tokens)):
+                out[i] = verdict
+        return out
+
+    def _commit(self, plan: Plan, verdict: Verdict | None, pass_ms: float) -> StepOutput:
+        """7. Commit the verdict, roll the keys/values back to the committed tokens. 8. Account."""
+        state, seq = plan.state, plan.state.seq
+        if verdict is None:  # a prefill chunk
+            seq.num_cached = state.block.length
+            state.account(plan.proposed, plan.draft, None, 0, plan.draft_ms, pass_ms)
+            return StepOutput("", [])
+        accepted, token = verdict
+        if plan.masks is not None and not bool(plan.masks[accepted].any()):  # rows before it accepted a draft token
+            raise GrammarDeadEnd(
+                f"The grammar allows no token after {seq.generated + accepted} generated tokens; the schema cannot "
+                "be continued with this vocabulary. Simplify the schema."
+            )
+        committed_before = len(seq.tokens)
+        output = state.commit(plan.draft.tokens[:accepted] + [token])
+        state.block.length = seq.num_cached = committed_before + accepted  # all but the newest token
+        state.account(plan.proposed, plan.draft, verdict, committed_before, plan.draft_ms, pass_ms)
+        return output
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
