@@ -102,7 +102,7 @@ class _Proposal(NamedTuple):
     draft: Draft
     states: list[int]  # grammar states along the draft ([] without a grammar)
     budget: RowBudget
-    started: float  # when drafting began (perf_counter)
+    draft_ms: float  # this sequence's own drafting time
 
 
 class Engine:
@@ -266,22 +266,24 @@ class Engine:
 
     def _propose(self, index: int, state: SequenceState) -> _Proposal:
         """1. A prefill chunk, or the newest committed token with this step's draft."""
-        started = time.perf_counter()
         seq = state.seq
         uncached = seq.tokens[seq.num_cached :]
         if len(uncached) > self.PREFILL_CHUNK:  # a long prompt: this pass only writes its keys/values
             chunk = uncached[: self.PREFILL_CHUNK]
-            return _Proposal(index, state, Kind.PREFILL, chunk, NO_DRAFT, [], state.budget(NO_DRAFT, len(chunk)), started)
+            return _Proposal(index, state, Kind.PREFILL, chunk, NO_DRAFT, [], state.budget(NO_DRAFT, len(chunk)), 0.0)
+        started = time.perf_counter()
         draft, states = state.draft()
         kind = Kind.DECODE if len(uncached) == 1 else Kind.PROMPT_TAIL
-        return _Proposal(index, state, kind, uncached, draft, states, state.budget(draft, len(uncached)), started)
+        draft_ms = (time.perf_counter() - started) * 1e3
+        return _Proposal(index, state, kind, uncached, draft, states, state.budget(draft, len(uncached)), draft_ms)
 
     def _freeze(self, proposal: _Proposal, free: int) -> Plan:
         """3. The plan: the draft cut to its forced tokens and ``free`` more, the masks along it."""
+        started = time.perf_counter()
         draft = proposal.draft.cut(proposal.draft.forced + free)
         grammar = proposal.state.grammar
         masks = grammar.masks(proposal.states[: len(draft.tokens) + 1]) if grammar is not None and proposal.kind is not Kind.PREFILL else None
-        draft_ms = (time.perf_counter() - proposal.started) * 1e3
+        draft_ms = proposal.draft_ms + (time.perf_counter() - started) * 1e3  # its own drafting and masks only
         return Plan(proposal.index, proposal.state, proposal.kind, proposal.inputs, proposal.draft, draft, masks, draft_ms)
 
     def _pad(self, plans: list[Plan]) -> list[Plan]:
