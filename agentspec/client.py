@@ -388,7 +388,6 @@ class Client:
             completed
             and spec.shadow_rate > 0
             and spec.speculates
-            and seq.params.greedy
             and self._shadow_rng.random() < spec.shadow_rate
             and self._runtime is not None
         ):

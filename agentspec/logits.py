@@ -20,7 +20,7 @@ import torch
 
 from .params import GenerationParams
 
-__all__ = ["LogitsPipeline", "sampling_generator"]
+__all__ = ["LogitsPipeline"]
 
 
 class LogitsPipeline:
@@ -73,16 +73,3 @@ class LogitsPipeline:
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return logits.softmax(dim=-1)
-
-
-def sampling_generator(params: GenerationParams, device: torch.device, salt: int = 0) -> torch.Generator | None:
-    """A request's random stream: None when greedy; from ``seed`` (xor ``salt``, so a draft model
-    gets a stream of its own), or a fresh random seed."""
-    if params.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed ^ salt)
-    return generator

@@ -87,7 +87,7 @@ class MetricsAggregator:
                 totals.add(stats)
 
     def add_shadow(self, agreed: bool, tag: str | None = None) -> None:
-        """Count one shadow check (a plain re-decode of a finished greedy request)."""
+        """Count one shadow check (a plain re-decode of a finished request, with its seed if sampled)."""
         check = SpecStats(shadow_checks=1, quality_diff_sampled=int(not agreed))
         self.add(check, tag)
 
@@ -139,7 +139,7 @@ def _render(lines: list[str], prefix: str, stats: SpecStats, label: str) -> None
     metric("draft_seconds_total", "counter", "Time spent drafting.", stats.draft_ms / 1e3)
     metric("verify_seconds_total", "counter", "Time spent in target passes and verification.", stats.verify_ms / 1e3)
     metric("cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache, not prefilled.", stats.cached_prompt_tokens)
-    metric("shadow_checks_total", "counter", "Greedy requests re-decoded plainly by shadow sampling.", stats.shadow_checks)
+    metric("shadow_checks_total", "counter", "Requests re-decoded plainly by shadow sampling.", stats.shadow_checks)
     metric("quality_diff_sampled_total", "counter", "Shadow checks that disagreed with plain decoding (bugs).", stats.quality_diff_sampled)
     metric("acceptance_rate", "gauge", "Accepted over drafted tokens.", stats.acceptance_rate)
     metric("ttft_seconds_mean", "gauge", "Mean time to first token.", stats.ttft_ms / 1e3)
@@ -165,5 +165,6 @@ def log_request(seq: Sequence) -> None:
         "ttft_ms": round(stats.ttft_ms, 1),
         "tpot_ms": round(stats.tpot_ms, 1),
         "speculative": seq.params.spec.enabled,
+        "seed": "-" if seq.params.seed is None else seq.params.seed,  # sampled requests: always set
     }
     request_log.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra={"agentspec": fields})

@@ -38,9 +38,9 @@ class SpecConfig(BaseModel):
     longer match picks the right place to copy from), and a draft length chosen per step from
     measured acceptance and measured verification cost (``adaptive``). With ``adaptive=False``
     every available draft is verified at its full length (up to ``max_draft_tokens``); tests use it
-    to pin K. Seeded sampling is reproducible with a pinned K (or ``enabled=False``); with adaptive K
-    the draft lengths follow measured timings, so one seed may give different, equally distributed,
-    samples. Greedy output never depends on K.
+    to pin K. Output never depends on K: greedy decoding is the target's argmax, and sampling draws
+    each token with noise keyed by (seed, output position), so a seed gives the same tokens as plain
+    decoding whatever was drafted.
 
     ``sources`` names the draft sources a request may use: ``"grammar"`` (tokens a structured-output
     grammar forces), ``"ngram"`` (n-grams of the prompt and output), ``"suffix"`` (the client's cache
@@ -60,7 +60,7 @@ class SpecConfig(BaseModel):
         0.0,
         ge=0.0,
         le=1.0,
-        description="share of finished greedy speculative requests re-decoded plainly when the engine is "
+        description="share of finished speculative requests (greedy or sampled) re-decoded plainly when the engine is "
         "idle, to count disagreements (quality_diff_sampled; any is a bug)",
     )
 

@@ -1,6 +1,6 @@
 """Observability on the real default model: per-tag aggregates, Prometheus text (checked with the
-reference parser), one log line per request, per-request timeouts, and shadow quality sampling that
-catches a deliberately broken verifier."""
+reference parser), one log line per request (with the seed that reproduces a sampled one), per-request
+timeouts, and shadow quality sampling, greedy and sampled, that catches a deliberately broken verifier."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import agentspec
 from agentspec.engine import engine as engine_module
+from agentspec.engine.verify import verify_sampling
 
 from .test_client import COPY, STORY, wait_idle
 
@@ -67,6 +68,21 @@ async def test_one_structured_log_line_per_request(client, caplog):
     assert fields["tag"] == "logged" and fields["finish_reason"] == done.finish_reason
     assert fields["output_tokens"] == done.stats.output_tokens and fields["target_passes"] == done.stats.target_forward_passes
     assert f"request_id={stream.request_id}" in lines[0].getMessage()
+    assert fields["seed"] == "-"  # greedy: no randomness to record
+
+
+async def test_an_unseeded_sampled_request_logs_the_seed_that_reproduces_it(client, caplog):
+    await wait_idle(client)
+    with caplog.at_level(logging.INFO, logger="agentspec.requests"):
+        stream = client.stream(STORY, max_tokens=10, temperature=1.0)
+        async with stream:
+            events = [ev async for ev in stream]
+        await wait_idle(client)
+    (line,) = [r for r in caplog.records if r.name == "agentspec.requests" and stream.request_id in r.getMessage()]
+    seed = line.agentspec["seed"]
+    assert isinstance(seed, int) and f"seed={seed}" in line.getMessage()
+    again = await client.generate(STORY, max_tokens=10, temperature=1.0, seed=seed, speculative=False)
+    assert again.token_ids == [t for e in events if isinstance(e, agentspec.TextDelta) for t in e.token_ids]
 
 
 async def test_timeout_ends_the_request_and_keeps_what_was_streamed(client):
@@ -101,6 +117,24 @@ async def test_shadow_sampling_agrees_with_a_correct_engine(client):
     assert after.quality_diff_sampled == before.quality_diff_sampled
 
 
+async def test_shadow_sampling_covers_sampled_requests(client):
+    await wait_idle(client)
+    before = client.metrics()
+    for seed in (None, 7):
+        await client.generate(COPY, max_tokens=16, temperature=0.7, top_p=0.9, seed=seed, speculative=SHADOW)
+    after = await wait_shadow_checks(client, before.shadow_checks + 2)
+    assert after.quality_diff_sampled == before.quality_diff_sampled
+
+
+def step_keyed_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A broken sampling verifier (``verify_sampling``'s signature): every row of a sequence is
+    drawn with its first row's key, noise keyed by step instead of by output position. A plain step
+    has one row, so a plain re-decode is still the correct reference."""
+    starts = torch.cumsum(counts + 1, 0) - (counts + 1)
+    segment = torch.repeat_interleave(torch.arange(counts.shape[0]), counts + 1)
+    return verify_sampling(target_probs, draft_tokens, keys[starts][segment], counts)
+
+
 def corrupt_speculative_steps(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A broken greedy verifier (``verify_greedy``'s signature, over a pass's flattened rows): every
     sequence with a draft commits a wrong token (a neighbouring id) and accepts none; plain steps,
@@ -110,14 +144,19 @@ def corrupt_speculative_steps(target_tokens: torch.Tensor, draft_tokens: torch.T
     return torch.zeros_like(counts), torch.where(counts > 0, first ^ 1, first)
 
 
-async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("verifier", "broken", "sampling"),
+    [("verify_greedy", corrupt_speculative_steps, {}), ("verify_sampling", step_keyed_sampling, {"temperature": 1.0, "seed": 5})],
+    ids=["greedy", "sampled"],
+)
+async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog, verifier, broken, sampling):
     await wait_idle(client)
     before = client.metrics()
     messages = [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red yellow blue."}]
-    plain = await client.generate(messages, max_tokens=24, speculative=False)
-    monkeypatch.setattr(engine_module, "verify_greedy", corrupt_speculative_steps)
+    plain = await client.generate(messages, max_tokens=24, speculative=False, **sampling)
+    monkeypatch.setattr(engine_module, verifier, broken)
     with caplog.at_level(logging.ERROR, logger="agentspec.client"):
-        stream = client.stream(messages, max_tokens=24, speculative=agentspec.SpecConfig(shadow_rate=1.0, adaptive=False))
+        stream = client.stream(messages, max_tokens=24, speculative=agentspec.SpecConfig(shadow_rate=1.0, adaptive=False), **sampling)
         async with stream:
             events = [ev async for ev in stream]
         broken_ids = [t for e in events if isinstance(e, agentspec.TextDelta) for t in e.token_ids]

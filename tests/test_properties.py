@@ -1,7 +1,8 @@
 """Property-based tests (hypothesis): verification, detokenization, and the engine.
 
 Each property is checked on generated inputs against a reference that is obviously right:
-- verification: a plain Python loop for greedy; support and acceptance invariants for sampling;
+- verification: a plain Python loop for greedy; for seeded sampling, support and acceptance
+  invariants, and the committed tokens are plain sampling's draws whatever was drafted;
 - detokenization: the original string, however the tokens are grouped;
 - the engine (tiny random model): plain decoding's token ids, for random prompts, K and stops.
 Stop strings under any chunking: tests/test_text.py.
@@ -22,7 +23,8 @@ from agentspec.engine import Engine
 from agentspec.params import GenerationParams
 from agentspec.text import TokenDecoder
 from agentspec.types import SpecConfig
-from agentspec.engine.verify import NO_TOKEN, draft_distributions, verify_greedy, verify_sampling
+from agentspec.engine.verify import NO_TOKEN, flatten, verify_greedy, verify_sampling
+from agentspec.sampling import position_keys, sample
 
 from .conftest import decode, tiny_model
 
@@ -65,7 +67,7 @@ def test_greedy_over_a_flattened_pass_matches_the_reference_loop_per_sequence(ca
     assert list(zip(accepted.tolist(), tokens.tolist())) == [greedy_reference(target, draft) for target, draft in cases]
 
 
-# -- verification: sampling ------------------------------------------------------------------------------
+# -- verification: seeded sampling ----------------------------------------------------------------------
 
 def random_probs(generator: torch.Generator, rows: int, sparsity: float, scale: float = 2.0) -> torch.Tensor:
     """[rows, VOCAB] distributions with some exact zeros (so 'support' means something)."""
@@ -76,100 +78,93 @@ def random_probs(generator: torch.Generator, rows: int, sparsity: float, scale: 
     return probs.float()
 
 
-def sample_rows(generator: torch.Generator, probs: torch.Tensor) -> torch.Tensor:
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+def case_keys(case: dict) -> torch.Tensor:
+    """[K+1] the rows' noise keys, as the engine builds them: the request's seed, the rows' output positions."""
+    start = case["start"]
+    return torch.tensor(position_keys(case["seed"], range(start, start + case["k"] + 1)), dtype=torch.int32)
 
 
-def verify_one(target_probs, draft_tokens, draft_probs, generator) -> tuple[int, int]:
-    """``verify_sampling`` on one sequence, its inputs built as the engine builds them: the draft
-    rows by ``draft_distributions`` (one-hot when ``draft_probs`` is None), K + 1 uniforms drawn from
-    the sequence's generator."""
-    k = draft_tokens.shape[0]
-    rows = draft_distributions(draft_tokens, draft_probs, VOCAB)
-    uniforms = torch.rand(k + 1, generator=generator)
-    accepted, token = verify_sampling(target_probs, torch.cat([draft_tokens, torch.tensor([NO_TOKEN])]), rows, uniforms, torch.tensor([k]))
+def verify_one(target_probs: torch.Tensor, draft_tokens: list[int], keys: torch.Tensor) -> tuple[int, int]:
+    """``verify_sampling`` on one sequence, its draft flattened as the engine flattens it."""
+    drafted, counts = flatten([draft_tokens], torch.device("cpu"))
+    accepted, token = verify_sampling(target_probs, drafted, keys, counts)
     return int(accepted[0]), int(token[0])
+
+
+def committed(draft_tokens: list[int], verdict: tuple[int, int]) -> list[int]:
+    accepted, token = verdict
+    return [*draft_tokens[:accepted], token]
 
 
 sampling_case = st.fixed_dictionaries(
     {
-        "k": st.integers(0, 8),
-        "seed": st.integers(0, 2**32 - 1),
+        "k": st.integers(0, 8),  # the draft's length: K + 1 rows
+        "data": st.integers(0, 2**32 - 1),  # seeds the distributions and drafts
+        "seed": st.integers(0, 2**63 - 1),  # the request's sampling seed
+        "start": st.integers(0, 10**6),  # the output position of the pass's first row
         "sparsity": st.sampled_from([0.0, 0.3, 0.7]),
-        "deterministic": st.booleans(),  # q one-hot (n-gram/grammar drafts) or a draft model's q
     }
 )
 
 
+def target_and_draft(case: dict) -> tuple[torch.Tensor, list[int]]:
+    """[K+1, VOCAB] target rows, and K draft tokens: at each position the target's own draw or any
+    token (possible or not), so drafts are accepted whole, in part or not at all."""
+    k, generator = case["k"], torch.Generator().manual_seed(case["data"])
+    target_probs = random_probs(generator, k + 1, case["sparsity"])
+    draws = sample(target_probs[:k], case_keys(case)[:k])
+    anything = torch.randint(0, VOCAB, (k,), generator=generator)
+    return target_probs, torch.where(torch.rand(k, generator=generator) < 0.6, draws, anything).tolist()
+
+
 @FAST
 @given(sampling_case)
-def test_sampling_accepts_only_possible_tokens_and_returns_one_in_the_right_support(case):
-    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
-    target_probs = random_probs(generator, k + 1, case["sparsity"])
-    if case["deterministic"]:
-        draft_probs = None
-        draft_tokens = torch.randint(0, VOCAB, (k,), generator=generator)  # any token, possible or not
-    else:
-        draft_probs = random_probs(generator, k, case["sparsity"])
-        draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
-
-    accepted, token = verify_one(target_probs, draft_tokens, draft_probs, generator)
-
+def test_sampling_accepts_only_possible_tokens_and_commits_a_possible_one(case):
+    target_probs, draft_tokens = target_and_draft(case)
+    k = case["k"]
+    accepted, token = verify_one(target_probs, draft_tokens, case_keys(case))
     assert 0 <= accepted <= k
     for i in range(accepted):  # an accepted draft token is one the target could have produced
         assert target_probs[i, draft_tokens[i]] > 0
-    if accepted == k:  # bonus token ~ p at position K
-        assert target_probs[k, token] > 0
-        return
-    p = target_probs[accepted]
-    if draft_probs is None:
-        residual = p.clone()
-        residual[draft_tokens[accepted]] = 0
-    else:
-        residual = (p - draft_probs[accepted]).clamp_min(0)
-    support = residual if residual.sum() > 0 else p
-    assert support[token] > 0, (accepted, token, residual)
-    assert p[token] > 0
+    assert target_probs[accepted, token] > 0  # the recovered or bonus token too
+    if accepted < k:  # a rejected draft token is not what gets committed in its place
+        assert token != draft_tokens[accepted]
+
+
+@FAST
+@given(sampling_case)
+def test_drafting_the_target_s_own_draws_is_always_accepted(case):
+    k, generator = case["k"], torch.Generator().manual_seed(case["data"])
+    target_probs = random_probs(generator, k + 1, case["sparsity"])
+    draws = sample(target_probs, case_keys(case)).tolist()  # [K+1] plain sampling's tokens
+    assert verify_one(target_probs, draws[:k], case_keys(case)) == (k, draws[k])
 
 
 @FAST
 @given(sampling_case)
 def test_drafting_the_argmax_of_one_hot_targets_is_always_accepted(case):
-    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
+    k, generator = case["k"], torch.Generator().manual_seed(case["data"])
     argmax = torch.randint(0, VOCAB, (k + 1,), generator=generator)
     target_probs = torch.nn.functional.one_hot(argmax, VOCAB).float()
-    draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
-    accepted, token = verify_one(target_probs, argmax[:k], draft_probs, generator)
-    assert (accepted, token) == (k, int(argmax[k]))
+    assert verify_one(target_probs, argmax[:k].tolist(), case_keys(case)) == (k, int(argmax[k]))
 
 
 @FAST
-@given(sampling_case)
-def test_a_draft_distribution_equal_to_the_target_is_always_accepted(case):
-    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
-    target_probs = random_probs(generator, k + 1, case["sparsity"])
-    draft_probs = target_probs[:k].clone()
-    draft_tokens = sample_rows(generator, draft_probs) if k else torch.zeros(0, dtype=torch.long)
-    accepted, token = verify_one(target_probs, draft_tokens, draft_probs, generator)
-    assert accepted == k
-    assert target_probs[k, token] > 0
-
-
-@FAST
-@given(sampling_case)
-def test_sampling_is_a_function_of_the_uniforms(case):
-    k, generator = case["k"], torch.Generator().manual_seed(case["seed"])
-    target_probs = random_probs(generator, k + 1, case["sparsity"])
-    draft_tokens = torch.randint(0, VOCAB, (k,), generator=generator)
-    draft_probs = None if case["deterministic"] else random_probs(generator, k, case["sparsity"])
-    # the same generator state gives the same uniforms, and the same uniforms the same verdict
-    runs = [verify_one(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(7)) for _ in range(2)]
-    assert runs[0] == runs[1]
-    rows = draft_distributions(draft_tokens, draft_probs, VOCAB)
-    drafted, counts = torch.cat([draft_tokens, torch.tensor([NO_TOKEN])]), torch.tensor([k])
-    uniforms = torch.rand(k + 1, generator=generator)
-    verdicts = [verify_sampling(target_probs, drafted, rows, uniforms.clone(), counts) for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(*verdicts))
+@given(sampling_case, st.lists(st.integers(0, VOCAB - 1), max_size=8))
+def test_the_committed_tokens_are_plain_sampling_s_whatever_the_draft(case, other_draft):
+    """The verdict is a function of (distributions, keys): the same inputs give the same verdict, and
+    any two drafts commit plain sampling's draws, so they agree wherever both commit."""
+    target_probs, draft_tokens = target_and_draft(case)
+    keys = case_keys(case)
+    verdict = verify_one(target_probs, draft_tokens, keys)
+    assert verify_one(target_probs.clone(), list(draft_tokens), keys.clone()) == verdict
+    draws = sample(target_probs, keys).tolist()  # [K+1] what plain sampling draws at these positions
+    tokens = committed(draft_tokens, verdict)
+    assert tokens == draws[: len(tokens)]
+    other_draft = other_draft[: case["k"]]  # another draft, of any length up to K: the first rows
+    rows = len(other_draft) + 1
+    other = committed(other_draft, verify_one(target_probs[:rows], other_draft, keys[:rows]))
+    assert other == draws[: len(other)]
 
 
 # -- detokenization with the real tokenizer's byte table -------------------------------------------------

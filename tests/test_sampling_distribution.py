@@ -1,10 +1,12 @@
-"""Speculative sampling is lossless end to end: the engine's output law is plain sampling's, exactly.
+"""Speculative sampling is lossless end to end: per seed it commits plain sampling's tokens, and the
+law of those tokens is the target's.
 
 A tiny random Llama (sharing the real tokenizer) makes thousands of runs affordable. The exact joint
 law of the two generated tokens under plain sampling is enumerated with the tiny model's own forward
 passes and the same processing (temperature, then top-k). The speculative engine, fed random drafts
-that are sometimes accepted and sometimes rejected, is run with many seeds and compared with that law
-by a chi-square test. The same harness must reject a deliberately wrong residual.
+that are sometimes accepted and sometimes rejected, is run with many seeds: every run equals plain
+decoding with its seed, and the outcomes pass a chi-square test against that law. The same harness
+must reject a deliberately wrong sampler.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
 from .conftest import decode, tiny_model
-from .test_verify import broken_sampling  # a wrong residual, the law tests' negative control
+from .stats import chi2_sf_upper, chi_square
+from .test_verify import broken_sampling  # a wrong sampler, the law tests' negative control
 
 PROMPT = [100, 200, 300]
 TEMPERATURE, TOP_K = 0.8, 3
 CANDIDATES = 4  # the drafter picks among the target's top 4: the 4th has probability 0 after top-3
-# How often the drafter picks the 1st..4th candidate. Not uniform on purpose: with one-hot drafts
-# drawn uniformly from a set covering the support, the wrong residual below happens to give the
-# right law (P(y) = q(y) p(y) + p(y) (1 - sum_x q(x) p(x)) = p(y) when q is constant on the support).
-DRAFT_WEIGHTS = [0.55, 0.15, 0.1, 0.2]
+DRAFT_WEIGHTS = [0.55, 0.15, 0.1, 0.2]  # how often the drafter picks the 1st..4th candidate
 RUNS = 4000
 BROKEN_RUNS = 2000
 ALPHA = 1e-4  # chance that a correct engine fails (the seeds are fixed, so in fact it never flakes)
@@ -126,33 +126,27 @@ def make_engine(tiny, candidates) -> Engine:
     return engine
 
 
-def sample(engine: Engine, runs: int, seed_offset: int) -> tuple[Counter, dict[str, int]]:
-    outcomes: Counter = Counter()
+def sample(engine: Engine, runs: int, seed_offset: int) -> tuple[list[tuple[int, ...]], dict[str, int]]:
+    """The generated tokens of each seed's run, in seed order, and the speculation totals."""
+    outputs = []
     totals = {"drafted": 0, "accepted": 0, "rejected": 0}
     for seed in range(seed_offset, seed_offset + runs):
         seq, _ = decode(engine, PROMPT, params(seed))
-        outcomes[tuple(seq.tokens[len(PROMPT) :])] += 1
+        outputs.append(tuple(seq.tokens[len(PROMPT) :]))
         totals["drafted"] += seq.stats.drafted_tokens
         totals["accepted"] += seq.stats.accepted_tokens
         totals["rejected"] += seq.stats.rollbacks
-    return outcomes, totals
+    return outputs, totals
 
 
-def chi2_sf_upper(statistic: float, df: int) -> float:
-    """An upper bound on P(chi2_df >= statistic): exact for even df, else the (larger) value at df + 1.
-
-    For even df = 2m: P(chi2 >= x) = exp(-x/2) sum_{j<m} (x/2)^j / j!  (a Poisson tail).
-    chi2_{df+1} stochastically dominates chi2_df, so rounding df up only makes the bound larger.
-    """
-    m = (df + 1) // 2
-    half = statistic / 2
-    return math.exp(-half) * sum(half**j / math.factorial(j) for j in range(m))
-
-
-def chi_square(outcomes: Counter, law: dict[tuple[int, ...], float]) -> tuple[float, int]:
-    runs = sum(outcomes.values())
-    statistic = sum((outcomes.get(o, 0) - runs * p) ** 2 / (runs * p) for o, p in law.items())
-    return statistic, len(law) - 1
+@pytest.fixture(scope="module")
+def plain_runs(tiny) -> list[tuple[int, ...]]:
+    """Plain sampling's output for seeds 0 .. RUNS - 1."""
+    engine = Engine(tiny, drafter_factory=lambda p: None)
+    engine.calibrate()
+    outputs, totals = sample(engine, RUNS, seed_offset=0)
+    assert totals["drafted"] == 0
+    return outputs
 
 
 def test_chi2_bound_against_known_quantiles():
@@ -162,42 +156,47 @@ def test_chi2_bound_against_known_quantiles():
     assert chi2_sf_upper(11.070, 5) > 0.05  # chi2_5's 0.95 quantile: the bound is conservative
 
 
-def test_speculative_sampling_matches_the_exact_law(tiny, exact):
+def test_speculative_sampling_equals_plain_per_seed_and_matches_the_exact_law(tiny, exact, plain_runs):
     law, candidates = exact
     assert len(law) >= 6 and min(law.values()) * RUNS >= 5  # a meaningful, valid chi-square test
     engine = make_engine(tiny, candidates)
-    outcomes, totals = sample(engine, RUNS, seed_offset=0)
+    outputs, totals = sample(engine, RUNS, seed_offset=0)
 
     # every run drafted once (K capped to 1 by max_tokens=2), and both verification paths occurred
     assert totals["drafted"] == RUNS
     assert 0.2 * RUNS < totals["accepted"] < 0.8 * RUNS
     assert totals["rejected"] == RUNS - totals["accepted"]
+    assert outputs == plain_runs  # token for token, whatever was drafted
+    outcomes = Counter(outputs)
     # never a sequence plain sampling cannot produce (e.g. a token outside the top-k)
     assert set(outcomes) <= set(law), set(outcomes) - set(law)
     statistic, df = chi_square(outcomes, law)
     assert chi2_sf_upper(statistic, df) > ALPHA, (statistic, df, outcomes, law)
 
 
-def test_the_harness_detects_a_wrong_residual(tiny, exact, monkeypatch):
+def test_the_harness_detects_a_wrong_sampler(tiny, exact, monkeypatch):
     law, candidates = exact
     monkeypatch.setattr(engine_module, "verify_sampling", broken_sampling)
     engine = make_engine(tiny, candidates)
-    outcomes, totals = sample(engine, BROKEN_RUNS, seed_offset=RUNS)
+    outputs, totals = sample(engine, BROKEN_RUNS, seed_offset=RUNS)
     assert totals["drafted"] == BROKEN_RUNS and totals["accepted"] > 0
-    # the wrong residual still only produces possible sequences: only the statistics can tell
+    outcomes = Counter(outputs)
+    # the wrong sampler still only produces possible sequences: only the statistics can tell
     assert set(outcomes) <= set(law)
     statistic, df = chi_square(outcomes, law)
     assert chi2_sf_upper(statistic, df) < ALPHA, (statistic, df)
 
 
-def test_plain_sampling_matches_the_exact_law(tiny, exact):
-    """The same law, without speculation: checks the reference enumeration itself (fewer runs)."""
+def test_plain_sampling_matches_the_exact_law(exact, plain_runs):
+    """The same law, without speculation: checks the reference enumeration itself."""
     law, _ = exact
-    engine = Engine(tiny, drafter_factory=lambda p: None)
-    engine.calibrate()
-    runs = 1000
-    outcomes, totals = sample(engine, runs, seed_offset=10 * RUNS)
-    assert totals["drafted"] == 0
+    outcomes = Counter(plain_runs)
     assert set(outcomes) <= set(law)
     statistic, df = chi_square(outcomes, law)
     assert chi2_sf_upper(statistic, df) > ALPHA, (statistic, df)
+
+
+def test_different_seeds_give_different_outputs(plain_runs):
+    """A sampler that ignored its randomness would give one output for every seed."""
+    assert len(set(plain_runs)) >= 6
+    assert sum(a != b for a, b in zip(plain_runs, plain_runs[1:])) > RUNS // 4

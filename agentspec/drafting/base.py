@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import torch
-
 __all__ = ["Draft", "Drafter", "NO_DRAFT", "common_prefix"]
 
 
@@ -15,9 +13,6 @@ class Draft:
     """Proposed continuation of the committed tokens.
 
     tokens: up to K proposed token ids; source: "grammar" | "ngram" | "suffix" | "model";
-    probs: [M, V] the drafter's distributions of the last M tokens (a draft model's, after the
-      grammar's tokens); None when every token is deterministic. Verification treats deterministic
-      tokens as one-hot distributions;
     evidence: how strong the proposal is on the drafter's own scale (n-gram: the matched length).
       The engine keeps acceptance statistics per (source, evidence) to decide how much to verify.
     forced: how many leading tokens come from the grammar: the text it forces (always verifies), then
@@ -27,18 +22,14 @@ class Draft:
 
     tokens: list[int]
     source: str
-    probs: torch.Tensor | None = None
     evidence: int = 0
     forced: int = 0
 
     def cut(self, length: int) -> "Draft":
-        """The first ``length`` tokens of this draft (its probabilities and forced count cut alike)."""
+        """The first ``length`` tokens of this draft (its forced count cut alike)."""
         if length >= len(self.tokens):
             return self
-        probs = self.probs
-        if probs is not None:
-            probs = probs[: max(0, probs.shape[0] - (len(self.tokens) - length))]
-        return Draft(self.tokens[:length], self.source, probs, self.evidence, min(self.forced, length))
+        return Draft(self.tokens[:length], self.source, self.evidence, min(self.forced, length))
 
 
 NO_DRAFT = Draft(tokens=[], source="none")

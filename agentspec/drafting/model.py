@@ -1,9 +1,10 @@
 """Model drafting: a small causal LM (or the target's own first layers) guesses the next tokens.
 
 A draft model sharing the target's tokenizer runs autoregressively on its own KV cache and proposes
-k tokens. Under sampling it draws them from its *processed* distribution (the same temperature,
-top-k, top-p, min-p and penalty as the target's) and returns those distributions as ``probs``, so
-rejection sampling keeps exactly the target's law and accepts ``sum min(p, q)`` of the time.
+k tokens. Under sampling it draws each from its *processed* distribution (the same temperature,
+top-k, top-p, min-p and penalty as the target's) with the request's noise at that output position
+(``agentspec.sampling``): the target draws with the very same noise, so a draft token is accepted
+iff both races pick the same token (coupled sampling), and the output is plain sampling's.
 
 Its cache holds committed tokens only once a step is over: the tokens it fed speculatively (the
 grammar's ``after`` tokens and its own draft) stay until ``observe`` says what was committed, and
@@ -25,8 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import ModelLoadError
-from ..logits import LogitsPipeline, sampling_generator
+from ..logits import LogitsPipeline
 from ..params import GenerationParams
+from ..sampling import position_keys, sample
 from .base import Draft, common_prefix
 
 __all__ = [
@@ -36,7 +38,6 @@ __all__ = [
     "early_exit_drafter",
 ]
 
-DRAFT_SEED_SALT = 0x5EED_D4AF  # xor-ed into the request seed: the draft model samples with its own stream
 CONFIDENCE_BUCKETS = 4  # evidence 1..4: the draft's own probability of its first token, in quarters
 
 
@@ -49,8 +50,8 @@ class ModelDrafter:
       embedding matrix is padded differently still lines up id for id;
     max_tokens: most tokens drafted per step (each costs one draft forward);
     min_confidence: stop drafting once the draft's probability of its own token falls below this
-      (after the first token). Where the draft stops depends only on its own tokens, so sampling
-      stays exact.
+      (after the first token). Where the draft stops changes how much is verified, never what is
+      committed.
     """
 
     source = "model"
@@ -72,8 +73,6 @@ class ModelDrafter:
             device,
         )
         self.max_tokens, self.min_confidence = max_tokens, min_confidence
-        # its own randomness, independent of the verifier's
-        self.generator = sampling_generator(params, device, salt=DRAFT_SEED_SALT)
         self.reset(())
 
     # -- the Drafter protocol -----------------------------------------------------------------------
@@ -82,6 +81,7 @@ class ModelDrafter:
         """Forget everything; the prompt is fed on the first ``propose`` (lazy prefill)."""
         self.cache = DynamicCache()
         self.tokens: list[int] = list(prompt)  # committed: prompt + output observed so far
+        self.prompt_length = len(self.tokens)  # output positions count from here (sampling noise)
         self.cached: list[int] = []  # the tokens whose keys/values are in `cache`, in order
         self.pipeline = LogitsPipeline(self.params, self.vocab_size, self.device)
         self.pipeline.observe(self.tokens)
@@ -99,22 +99,18 @@ class ModelDrafter:
         logits = self._feed(context[len(self.cached) :])  # [D] scores of the token after `context`
         extra = list(after)  # tokens after the committed ones, for the penalty
         tokens: list[int] = []
-        rows: list[torch.Tensor] = []
         evidence = 0
         for i in range(k):
-            token, probs, confidence = self._choose(logits, extra)
+            token, confidence = self._choose(logits, extra)
             if i == 0:
                 evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
             elif confidence < self.min_confidence:
                 break
             tokens.append(token)
             extra.append(token)
-            if probs is not None:
-                rows.append(probs)
             if i + 1 < k:
                 logits = self._feed([token])
-        probs = torch.stack(rows) if rows else None  # [k, V] under sampling
-        return Draft(tokens, self.source, probs, evidence=evidence)
+        return Draft(tokens, self.source, evidence=evidence)
 
     def observe(self, committed: Sequence[int]) -> None:
         """Keep the speculative keys/values that were committed, drop the rest."""
@@ -141,18 +137,19 @@ class ModelDrafter:
         self.cached.extend(tokens)
         return _fit_vocab(logits.float(), self.vocab_size)
 
-    def _choose(self, logits: torch.Tensor, extra: list[int]) -> tuple[int, torch.Tensor | None, float]:
-        """The draft token after committed + ``extra``, its processed distribution [V] (sampling
-        only), and the draft's probability of it."""
+    def _choose(self, logits: torch.Tensor, extra: list[int]) -> tuple[int, float]:
+        """The draft token after committed + ``extra``, and the draft's probability of it."""
         # The pipeline's row i sees committed + extra[:i]; only the last row (all of extra) is used.
         rows = logits.expand(len(extra) + 1, -1) if self.params.repetition_penalty != 1.0 else logits[None]
         prefix = extra if self.params.repetition_penalty != 1.0 else ()
         if self.params.greedy:
             token = int(self.pipeline.greedy(rows, prefix)[-1])
-            return token, None, float(logits.softmax(dim=-1)[token])
-        probs = self.pipeline.probs(rows, prefix)[-1]
-        token = int(torch.multinomial(probs, 1, generator=self.generator))
-        return token, probs, float(probs[token])
+            return token, float(logits.softmax(dim=-1)[token])
+        probs = self.pipeline.probs(rows, prefix)[-1:]  # [1, V]
+        position = len(self.tokens) - self.prompt_length + len(extra)  # the output position it drafts
+        keys = torch.tensor(position_keys(self.params.seed, [position]), dtype=torch.int32, device=probs.device)
+        token = int(sample(probs, keys)[0])
+        return token, float(probs[0, token])
 
 
 

@@ -46,7 +46,7 @@ from .lengths import CostModel, RowBudget, choose_lengths
 from .packed import PackedRow, check_packed, forward_packed, use_packed_attention
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
-from .verify import draft_distributions, flatten, verify_greedy, verify_sampling
+from .verify import flatten, verify_greedy, verify_sampling
 
 __all__ = ["Engine", "Kind", "Plan"]
 
@@ -348,13 +348,11 @@ class Engine:
         if greedy:
             verdicts.append(verify_greedy(torch.cat([t for _, t in greedy]), *flatten([plans[i].draft.tokens for i, _ in greedy], self.device)))
         if sampled:
-            target_probs = torch.cat([t for _, t in sampled])  # [T, V]
             chosen = [plans[i] for i, _ in sampled]
             drafted, counts = flatten([p.draft.tokens for p in chosen], self.device)
-            vocab = target_probs.shape[-1]
-            draft_probs = torch.cat([draft_distributions(torch.tensor(p.draft.tokens, dtype=torch.long, device=self.device), p.draft.probs, vocab) for p in chosen])
-            uniforms = torch.cat([torch.rand(len(p.draft.tokens) + 1, generator=p.state.generator, device=self.device) for p in chosen])
-            verdicts.append(verify_sampling(target_probs, drafted, draft_probs, uniforms, counts))
+            keys = [key for p in chosen for key in p.state.noise_keys(len(p.draft.tokens) + 1)]  # seed, output position
+            keys_tensor = torch.tensor(keys, dtype=torch.int32, device=self.device)
+            verdicts.append(verify_sampling(torch.cat([t for _, t in sampled]), drafted, keys_tensor, counts))
         out: list[Verdict | None] = [None] * len(plans)
         if verdicts:
             accepted, tokens = torch.cat([torch.stack(v) for v in verdicts], dim=1).tolist()  # the pass's one host read

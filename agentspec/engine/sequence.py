@@ -1,7 +1,7 @@
 """One request's decoding: its data (``Sequence``), and the engine-side state that drafts and commits.
 
 ``Sequence`` is plain data the runtime and client read; ``SequenceState`` holds what only the engine
-touches: the keys/values block, the logits pipeline, the random stream, the drafters, the detokenizer
+touches: the keys/values block, the logits pipeline, the sampling noise keys, the drafters, the detokenizer
 and the stop rules. The engine asks a state for its draft (``draft``), and hands it each verdict to
 commit (``commit``) and account (``account``).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from ..types import SpecStats
 from .kv import KVBlock, KVLayout
 from ..drafting.acceptance import AcceptanceModel
 from .lengths import RowBudget
-from ..logits import LogitsPipeline, sampling_generator
+from ..logits import LogitsPipeline
+from ..sampling import fresh_seed, position_keys
 
 __all__ = ["GrammarDeadEnd", "Sequence", "SequenceState", "StepOutput"]
 
@@ -51,7 +52,7 @@ class Sequence:
     """One request's decoding state. Owned by the worker thread."""
 
     prompt_ids: list[int]
-    params: GenerationParams
+    params: GenerationParams  # a sampled request's seed is always set (drawn if the caller gave none)
     max_new_tokens: int
     grammar: Any = None  # structured output (Grammar, RepeatedGrammar, AutoCallGrammar): every token is checked against it
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -66,6 +67,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        if not self.params.greedy and self.params.seed is None:
+            # sampled without a seed: draw one now, so the request log can reproduce the run
+            self.params = replace(self.params, seed=fresh_seed())
 
     @property
     def generated(self) -> int:
@@ -102,7 +106,6 @@ class SequenceState:
         self.block = KVBlock(layout)
         self.pipeline = LogitsPipeline(params, vocab_size, device)
         self.pipeline.observe(seq.prompt_ids)
-        self.generator = sampling_generator(params, device)
         self.acceptance = AcceptanceModel()
         self.decoder = TokenDecoder(token_bytes)
         self.stopper = StopMatcher(params.stop)
@@ -136,7 +139,7 @@ class SequenceState:
                 seq.stats.fallback_steps += 1
                 rest = NO_DRAFT
             if rest.tokens:
-                draft = Draft(forced.tokens + rest.tokens, rest.source, rest.probs, rest.evidence, forced=len(forced.tokens))
+                draft = Draft(forced.tokens + rest.tokens, rest.source, rest.evidence, forced=len(forced.tokens))
         if self.grammar is None:
             return draft.cut(k), []
         states = self.grammar.walk(draft.tokens[:k])
@@ -159,6 +162,10 @@ class SequenceState:
         if self.seq.params.greedy:
             return self.pipeline.greedy(logits, draft.tokens, masks)
         return self.pipeline.probs(logits, draft.tokens, masks)
+
+    def noise_keys(self, rows: int) -> list[int]:
+        """The sampling noise keys of ``rows`` rows verified from the next output position on."""
+        return position_keys(self.seq.params.seed, range(self.seq.generated, self.seq.generated + rows))
 
     # -- commit -------------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Draft verification: pure functions on tensors (no model, no cache, no asyncio).
 
 Glossary for one sequence's part of a pass with K draft tokens:
-- **accepted**: the longest draft prefix the target agrees with (greedy) or keeps (sampling);
-- **recovered**: the token the target puts at the first rejected position;
-- **bonus**: the token sampled after all K were accepted (the target's K+1-th position).
+- **accepted**: the longest draft prefix equal to the target's own tokens there: its argmax
+  (greedy) or its seeded draw at that output position (sampling);
+- **recovered**: the target's token at the first rejected position;
+- **bonus**: the target's token after all K were accepted (its K+1-th position).
 Every sequence commits ``accepted + [recovered or bonus]``: at least one token, at most K + 1.
 
 A pass verifies many sequences at once, flattened as vLLM's rejection sampler does: sequence s owns
@@ -20,7 +21,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["NO_TOKEN", "draft_distributions", "flatten", "verify_greedy", "verify_sampling"]
+from ..sampling import sample
+
+__all__ = ["NO_TOKEN", "flatten", "verify_greedy", "verify_sampling"]
 
 NO_TOKEN = -1  # the draft token at a bonus row: nothing is proposed there
 
@@ -56,53 +59,17 @@ def flatten(drafts: Sequence[Sequence[int]], device: torch.device) -> tuple[torc
     return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device)
 
 
-def draft_distributions(draft_tokens: torch.Tensor, probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """One sequence's draft distributions, a row per verified position: [K+1, V].
-
-    draft_tokens: [K]; probs: [M, V] the drafter's distributions of the last M draft tokens (a draft
-    model's), None when all are deterministic. Deterministic tokens (grammar, n-gram, cache) are
-    one-hot rows; the bonus row is all zeros (nothing was proposed there).
-    """
-    k = draft_tokens.shape[0]
-    rows = torch.zeros(k + 1, vocab, device=draft_tokens.device)
-    rows[torch.arange(k, device=draft_tokens.device), draft_tokens] = 1.0
-    if probs is not None and probs.shape[0]:
-        rows[k - probs.shape[0] : k] = probs.to(rows.dtype)
-    return rows
-
-
-def verify_sampling(
-    target_probs: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
-    uniforms: torch.Tensor,
-    counts: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling (Leviathan et al. 2023, Algorithm 1): every output ~ the target distribution.
+def verify_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded sampling verification: draw the target's token at every row, accept while it equals the draft.
 
     target_probs: [T, V] the target's processed distributions; draft_tokens: [T] (-1 at bonus rows);
-    draft_probs: [T, V] the drafts' distributions (``draft_distributions``: one-hot for
-    deterministic drafts); uniforms: [T] independent U[0, 1) draws; counts: [S] draft lengths.
+    keys: [T] each row's noise key, from the request's seed and the row's output position
+    (``agentspec.sampling.position_keys``); counts: [S] draft lengths.
 
-    Draft token i is accepted iff ``uniforms[i] * q(x_i) < p(x_i)`` (probability min(1, p/q)). At
-    the first rejected row the recovered token is drawn from norm(max(p - q, 0)) — with one-hot q,
-    p without the draft token — and after K accepted tokens the bonus token from p. That draw is an
-    inverse-CDF lookup with the sequence's last uniform (its bonus row's, never used by a test).
+    Row t's token is ``sample``'s exponential race on p_t with key t, which depends on nothing but
+    (seed, position): a draft token is accepted iff it is the token plain sampling would draw there,
+    and the first row that differs (or the bonus row) commits that draw. So the committed tokens are
+    plain sampling's, token for token, whatever was drafted, and each is distributed as p.
     Returns ([S] number accepted, [S] the recovered or bonus token).
     """
-    rows = torch.arange(target_probs.shape[0], device=target_probs.device)
-    bonus = draft_tokens == NO_TOKEN
-    proposed = draft_tokens.clamp_min(0)
-    p_draft, q_draft = target_probs[rows, proposed], draft_probs[rows, proposed]  # [T]
-    accepted = _first_stop(bonus | (uniforms * q_draft >= p_draft), counts)
-    ends = torch.cumsum(counts + 1, 0) - 1  # [S] each sequence's bonus row
-    stop = ends - counts + accepted  # [S] the row whose token is drawn
-    target = target_probs[stop]  # [S, V]
-    residual = (target - draft_probs[stop]).clamp_min(0.0)  # the bonus row's q is zero: p itself
-    mass = residual.sum(dim=-1, keepdim=True)
-    distribution = torch.where(mass > 0, residual, target)  # p = q exactly: nothing to recover from
-    cdf = distribution.cumsum(dim=-1)
-    threshold = uniforms[ends].unsqueeze(-1) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    last = (distribution > 0).cumsum(dim=-1).argmax(dim=-1)  # a rounded-up threshold stays on a possible token
-    return accepted, torch.minimum(tokens, last)
+    return verify_greedy(sample(target_probs, keys), draft_tokens, counts)
