@@ -128,6 +128,16 @@ async def test_user_prompts_from_jsonl(client, tmp_path):
     assert rows[0].acceptance == 0  # agentspec_plain drafts nothing
 
 
+async def test_sampled_rows_are_token_identical_to_agentspec_plain(client):
+    """``--temperature``: agentspec rows sample with one seed, so speculative output equals plain's
+    token for token; the greedy-only peers do not run."""
+    works = [workload("document_answer"), workload("tool_call")]
+    rows = await run_bench(client, works, ("hf_plain", "agentspec_plain", "agentspec"), max_tokens=8, temperature=0.8)
+    assert [(r.workload, r.system) for r in rows] == [(w.name, s) for w in works for s in ("agentspec_plain", "agentspec")]
+    for row in rows:
+        assert row.temperature == 0.8 and row.identical_to_plain, row
+
+
 @pytest.mark.parametrize(
     "content, needle",
     [

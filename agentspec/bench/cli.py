@@ -59,13 +59,15 @@ async def main(args: Any) -> int:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
         if args.concurrency:
             return await _load_main(client, args, selected)
+        if args.temperature and any(not s.startswith("agentspec") for s in systems):
+            print(f"--temperature {args.temperature}: sampled rows are agentspec's only (the peers run greedy)", file=sys.stderr)
         if "outlines" in systems and importlib.util.find_spec("outlines") is None:
             print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
             systems = [s for s in systems if s != "outlines"]
-        cells = sum(1 for w in selected for s in systems if applies(s, w, client))
+        cells = sum(1 for w in selected for s in systems if applies(s, w, client) and (s.startswith("agentspec") or not args.temperature))
         done = itertools.count(1)
         rows = await run_bench(
-            client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats,
+            client, selected, systems, max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
             on_row=lambda r: print(
                 f"  {progress_bar(next(done), cells)} {r.workload:<16} {r.system:<24} {r.tokens_per_s:7.1f} tok/s",
                 file=sys.stderr, flush=True,

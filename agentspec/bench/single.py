@@ -39,7 +39,9 @@ from .workloads import WORKLOADS, Workload
 if TYPE_CHECKING:
     from ..engine.lengths import CostModel
 
-__all__ = ["BenchRow", "run_bench", "format_table", "ngram_oracle_speedup", "suffix_gain"]
+__all__ = ["BENCH_SEED", "BenchRow", "run_bench", "format_table", "ngram_oracle_speedup", "suffix_gain"]
+
+BENCH_SEED = 1234  # --temperature: every sampled request's seed, so plain and speculative runs compare
 
 
 @dataclass
@@ -55,6 +57,7 @@ class BenchRow:
     acceptance: float = 0.0  # agentspec systems: accepted / drafted tokens
     tokens_per_pass: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    temperature: float = 0.0  # > 0: agentspec rows sampled with seed BENCH_SEED
 
 
 class _ForwardCounter:
@@ -137,12 +140,12 @@ def _collect(completions: list[Completion]) -> _Run:
     return _Run(ids, sum(c.usage.completion_tokens for c in completions), stats.target_forward_passes, stats)
 
 
-async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: SpecConfig | bool) -> list[Completion]:
+async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: SpecConfig | bool, params: dict[str, Any]) -> list[Completion]:
     """Every task of an agent-loop workload: call the tool, return its result, take the reply."""
     completions = []
     for number, task in enumerate(work.tasks):
         messages = [*work.messages, {"role": "user", "content": task}]
-        call = await client.generate(messages, max_tokens=max_tokens, speculative=spec, **work.params)
+        call = await client.generate(messages, max_tokens=max_tokens, speculative=spec, **params)
         completions.append(call)
         if not call.tool_calls:  # cut off by max_tokens: no result to reply to
             continue
@@ -151,12 +154,12 @@ async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: Spe
         ]})
         messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ticket": f"INC-{4100 + number}", "status": "open"})}
                      for c in call.tool_calls]
-        reply_params = {**work.params, "tool_choice": "none"}
+        reply_params = {**params, "tool_choice": "none"}
         completions.append(await client.generate(messages, max_tokens=max_tokens, speculative=spec, **reply_params))
     return completions
 
 
-async def _run_system(client: Client, system: str, work: Workload, max_tokens: int) -> _Run:
+async def _run_system(client: Client, system: str, work: Workload, max_tokens: int, temperature: float = 0.0) -> _Run:
     if system in ("hf_plain", "hf_prompt_lookup"):
         prompt_ids = client.loaded.chat.encode(work.messages)
         extra = {"prompt_lookup_num_tokens": 10} if system == "hf_prompt_lookup" else {}
@@ -175,9 +178,10 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
     # verbatim and the prefix cache would not prefill (real, but not what these rows measure; see
     # --concurrency for reuse). Inside an agent loop both caches work as they would for an agent.
     await client.clear_caches()
+    params = {**work.params, "temperature": temperature, "seed": BENCH_SEED} if temperature else work.params
     if work.is_loop:
-        return _collect(await _agent_loop(client, work, max_tokens, spec))
-    return _collect([await client.generate(work.messages, max_tokens=max_tokens, speculative=spec, **work.params)])
+        return _collect(await _agent_loop(client, work, max_tokens, spec, params))
+    return _collect([await client.generate(work.messages, max_tokens=max_tokens, speculative=spec, **params)])
 
 
 def _same_output(run: _Run, reference: _Run, client: Client) -> bool:
@@ -195,26 +199,30 @@ async def run_bench(
     *,
     max_tokens: int | None = None,
     repeats: int = 1,
+    temperature: float = 0.0,
     on_row: Callable[[BenchRow], None] = lambda row: None,
 ) -> list[BenchRow]:
-    """Time every system on every workload it applies to (median of ``repeats`` after one warm-up run)."""
+    """Time every system on every workload it applies to (median of ``repeats`` after one warm-up run).
+
+    With ``temperature`` > 0 the agentspec rows sample (seed ``BENCH_SEED``), the reference is
+    agentspec plain, and identical means token for token with it; the greedy-only peers do not run."""
     rows: list[BenchRow] = []
     systems = tuple(systems)
     for system in systems:
         parse_system(system)  # an unknown name fails before anything runs
     for work in workloads:
         limit = max_tokens or work.max_tokens
-        chosen = [system for system in systems if applies(system, work, client)]
-        # the reference output: transformers plain, or agentspec plain under the same grammar
-        first = "agentspec_plain" if work.constrained else "hf_plain"
+        chosen = [system for system in systems if applies(system, work, client) and (system.startswith("agentspec") or not temperature)]
+        # the reference output: transformers plain, or agentspec plain under the same grammar or sampling
+        first = "agentspec_plain" if work.constrained or temperature else "hf_plain"
         chosen.sort(key=lambda system: system != first)
         reference: _Run | None = None
         for system in chosen:
-            await _run_system(client, system, work, min(limit, 8))  # warm-up
+            await _run_system(client, system, work, min(limit, 8), temperature)  # warm-up
             timings, run = [], None
             for _ in range(repeats):
                 started = time.perf_counter()
-                run = await _run_system(client, system, work, limit)
+                run = await _run_system(client, system, work, limit, temperature)
                 timings.append(time.perf_counter() - started)
             assert run is not None
             reference = reference or run
@@ -232,6 +240,7 @@ async def run_bench(
                 acceptance=round(stats.acceptance_rate, 3) if stats else 0.0,
                 tokens_per_pass=round(run.tokens / run.forwards, 2) if run.forwards else 0.0,
                 accepted_by_source=dict(stats.accepted_by_source) if stats else {},
+                temperature=temperature,
             )
             rows.append(row)
             on_row(row)
