@@ -77,25 +77,31 @@ def test_chunked_prefill_in_a_batch_equals_alone(engine, loaded, monkeypatch):
 
 
 def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
-    """Decided from the measured cost curve, not a constant: one sequence drafts at a typical
-    acceptance; 96 one-token sequences draft only above the acceptance at which their extra
-    positions pay — past the calibrated shapes a pass costs in proportion to its positions, plus the
-    measured cost of each sequence in it, so that crossover follows from the curve itself (on this
-    2-core CPU about 0.6; where sequences cost nothing extra, 1: never)."""
+    """Decided from the measured cost curve, not a constant: 96 one-token sequences draft only above
+    the acceptance at which their extra positions pay — past the calibrated shapes a pass costs in
+    proportion to its positions, plus the measured cost of each sequence in it, so that crossover
+    follows from the curve itself (on this 2-core CPU about 0.4 to 0.6; where sequences cost
+    nothing extra, 1: never)."""
     costs = engine.costs
 
     def drafted(rows: int, acceptance: float) -> int:
         return sum(choose_lengths([RowBudget(1, 1.0, 8, Acceptance(acceptance, acceptance))] * rows, costs))
 
+    def threshold(rows: int) -> float:
+        """The lowest acceptance (in steps of 0.01) at which ``rows`` such sequences draft at all."""
+        return next((a / 100 for a in range(1, 100) if drafted(rows, a / 100) > 0), 1.0)
+
     per_position = costs.cost(costs.max_positions) / costs.max_positions  # the slope past the widest shape
     # j of the 96 rows drafting one token each at acceptance a: (96 + a j) tokens in per_position (96 + j) + 95 segment ms,
     # which grows with j exactly when a > crossover
     crossover = 96 * per_position / (96 * per_position + 95 * costs.segment_ms)
-    typical = min(0.5, 0.9 * crossover)
-    assert drafted(1, typical) > 0  # one sequence drafts...
-    assert drafted(96, typical) == 0  # ...96 with the same acceptance do not
-    if costs.segment_ms > 0:  # (else the crossover is 1: a saturated pass never pays for a draft)
-        assert drafted(96, (1 + crossover) / 2) > 0  # above the crossover they draft again
+    # One sequence drafts once its acceptance pays for a pass of K + 1 positions. On this CPU a
+    # 2-position pass costs ~1.4x a 1-position one, so that bar (~0.40) lies close to the crowded
+    # crossover (~0.43) and calibration noise orders them either way: their order is not asserted.
+    assert threshold(1) < 1.0
+    many = threshold(96)
+    assert 0.9 * crossover <= many <= (1 + crossover) / 2  # 96 sequences draft only past the crossover
+    assert drafted(96, many - 0.01) == 0 < drafted(96, many)
 
 
 def test_batch_lengths_match_brute_force_on_small_cases():

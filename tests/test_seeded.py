@@ -48,6 +48,7 @@ SPECS = {
     "ngram-k4": agentspec.SpecConfig(sources=("ngram",), max_draft_tokens=4, adaptive=False),
     "ngram-k16": agentspec.SpecConfig(sources=("ngram",), max_draft_tokens=16, adaptive=False),
     "suffix-k8": agentspec.SpecConfig(sources=("suffix",), max_draft_tokens=8, adaptive=False),
+    "ngram-adaptive": agentspec.SpecConfig(sources=("ngram",)),
     "all-adaptive": agentspec.SpecConfig(),
 }
 

@@ -89,12 +89,7 @@ def test_suffix_drafter_follows_the_protocol():
     drafter = SuffixDrafter(cache)
     drafter.reset([1, 2, 10, 11])
     draft = drafter.propose(3)
-    assert (draft.tokens, draft.source, draft.evidence, draft.probs) == (
-        [12, 13, 14],
-        "suffix",
-        2,
-        None,
-    )
+    assert (draft.tokens, draft.source, draft.evidence) == ([12, 13, 14], "suffix", 2)
     assert drafter.propose(2, after=[12]).tokens == [
         13,
         14,

@@ -140,8 +140,10 @@ def _collect(completions: list[Completion]) -> _Run:
     return _Run(ids, sum(c.usage.completion_tokens for c in completions), stats.target_forward_passes, stats)
 
 
-async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: SpecConfig | bool, params: dict[str, Any]) -> list[Completion]:
-    """Every task of an agent-loop workload: call the tool, return its result, take the reply."""
+async def _agent_loop(client: Client, work: Workload, max_tokens: int, spec: SpecConfig | bool, params: dict[str, Any] | None = None) -> list[Completion]:
+    """Every task of an agent-loop workload: call the tool, return its result, take the reply
+    (``params``: the requests' parameters, by default the workload's)."""
+    params = work.params if params is None else params
     completions = []
     for number, task in enumerate(work.tasks):
         messages = [*work.messages, {"role": "user", "content": task}]
