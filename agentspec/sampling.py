@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["fresh_seed", "position_keys", "position_noise", "reference_noise", "sample"]
+__all__ = ["fresh_seed", "position_keys", "position_noise", "reference_mix32", "reference_noise", "sample"]
 
 MASK32 = 0xFFFF_FFFF
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -88,14 +88,16 @@ def position_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log((bits.to(torch.float32) + 0.5) * 2.0**-UNIFORM_BITS)
 
 
+def reference_mix32(word: int) -> int:
+    """``_mix32`` on one Python integer below 2**32 (part of the hash's specification)."""
+    for multiplier in MULTIPLIERS:
+        word = ((word ^ (word >> 16)) * multiplier) & MASK32
+    return word ^ (word >> 16)
+
+
 def reference_noise(key: int, token: int) -> float:
     """``position_noise`` for one (key, token) on Python integers: the specification of the hash."""
-
-    def mix(x: int) -> int:
-        for multiplier in MULTIPLIERS:
-            x = ((x ^ (x >> 16)) * multiplier) & MASK32
-        return x ^ (x >> 16)
-
+    mix = reference_mix32
     word = mix(((key & MASK32) + mix(token * TOKEN_MULTIPLIER & MASK32)) & MASK32)
     uniform = ((word >> (32 - UNIFORM_BITS)) + 0.5) / 2**UNIFORM_BITS
     return -math.log(uniform)

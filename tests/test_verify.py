@@ -32,12 +32,11 @@ import pytest
 import torch
 
 from agentspec.engine.verify import NO_TOKEN, flatten, verify_greedy, verify_sampling
-from agentspec.sampling import MULTIPLIERS, TOKEN_MULTIPLIER, UNIFORM_BITS, fresh_seed, position_keys, position_noise, reference_noise, sample
+from agentspec.sampling import MASK32, MULTIPLIERS, TOKEN_MULTIPLIER, UNIFORM_BITS, fresh_seed, position_keys, position_noise, reference_mix32, reference_noise, sample
 
 from .stats import chi2_sf_upper, chi_square
 
 CPU = torch.device("cpu")
-MASK32 = 0xFFFF_FFFF
 VOCAB_SIZE = 49152  # the default model's vocabulary
 
 # -- reference loops ---------------------------------------------------------------------------------
@@ -190,15 +189,8 @@ def test_noise_is_the_reference_hash():
     assert torch.equal(large[:, :16], position_noise(int32(keys[:8]), 16))
 
 
-def mix(word: int) -> int:
-    """The hash's 32-bit finaliser, as ``reference_noise`` applies it."""
-    for multiplier in MULTIPLIERS:
-        word = ((word ^ (word >> 16)) * multiplier) & MASK32
-    return word ^ (word >> 16)
-
-
 def unmix(word: int) -> int:
-    """The inverse of ``mix``: x ^ (x >> 16) undoes itself on 32 bits, an odd multiplier has an inverse."""
+    """The inverse of ``reference_mix32``: x ^ (x >> 16) undoes itself on 32 bits, an odd multiplier has an inverse."""
     word ^= word >> 16
     for multiplier in reversed(MULTIPLIERS):
         word = (word * pow(multiplier, -1, 2**32)) & MASK32
@@ -208,7 +200,7 @@ def unmix(word: int) -> int:
 
 def key_hitting(word: int, token: int) -> int:
     """The key (as an int32) whose hash word at ``token`` is ``word``: the noise there is chosen."""
-    key = (unmix(word) - mix(token * TOKEN_MULTIPLIER & MASK32)) & MASK32
+    key = (unmix(word) - reference_mix32(token * TOKEN_MULTIPLIER & MASK32)) & MASK32
     return key - (1 << 32) if key >= 1 << 31 else key
 
 
