@@ -10,6 +10,7 @@ from typing import Any
 
 from .bench.workloads import WORKLOADS, workload
 from .client import Client
+from .engine.weights import WEIGHTS
 from .errors import AgentSpecError
 from .types import Done, Limits, SpecStats, TextDelta
 
@@ -28,7 +29,7 @@ def _stats_line(stats: SpecStats, tokens: int, seconds: float) -> str:
 
 async def _demo(args: Any) -> int:
     print("Loading the default model (SmolLM2-135M-Instruct) ...", flush=True)
-    async with Client(args.model, device=args.device) as client:
+    async with Client(args.model, device=args.device, weights=args.weights) as client:
         print(f"Ready on {client.loaded.device}. Streaming verified tokens as they arrive.\n")
         timings: dict[str, tuple[float, int, str]] = {}
         for name in DEMO_TASKS:
@@ -62,7 +63,7 @@ async def _demo(args: Any) -> int:
 
 
 async def _chat(args: Any) -> int:
-    async with Client(args.model, device=args.device) as client:
+    async with Client(args.model, device=args.device, weights=args.weights) as client:
         print("agentspec chat — empty line or Ctrl-D to quit.")
         history: list[dict[str, str]] = []
         loop = asyncio.get_running_loop()
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=text)
         command.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
         command.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+        command.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass's linear kernels (auto: the fastest measured here)")
     sub.choices["chat"].add_argument("--max-tokens", type=int, default=256)
     bench = sub.choices["bench"]
     bench.add_argument("--workloads", default="", help=f"comma-separated subset of: {', '.join(w.name for w in WORKLOADS)}")
@@ -109,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N)")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     serve.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    serve.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass's linear kernels (auto: the fastest measured here)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (the ready line names it)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $AGENTSPEC_API_KEY)")

@@ -34,6 +34,7 @@ from .model import DTYPES, LoadedModel, load_model
 from .structured.grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
 from .params import GenerationParams, parse_params
 from .engine.prefix import PrefixCache
+from .engine.weights import WEIGHTS
 from .runtime import Channel, RequestHandle, Runtime
 from .structured.tools import ToolCallParser, with_tool_prompt
 from .types import Completion, Done, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
@@ -169,8 +170,8 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
     return build
 
 
-def _check_model_options(model: Any, device: Any, dtype: Any) -> None:
-    """Reject a malformed model reference, device or dtype before anything loads (their existence is
+def _check_model_options(model: Any, device: Any, dtype: Any, weights: Any) -> None:
+    """Reject a malformed model reference, device, dtype or weights before anything loads (their existence is
     checked by loading: a missing file or an absent GPU is a ModelLoadError from ``start``)."""
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise InvalidRequestError(f"`model` must be None, a path or a hub id string, got {model!r}.")
@@ -181,6 +182,8 @@ def _check_model_options(model: Any, device: Any, dtype: Any) -> None:
             raise InvalidRequestError(f"Unknown `device` {device!r}; use 'auto', 'cpu' or 'cuda[:N]'.") from None
     if not (isinstance(dtype, torch.dtype) or (isinstance(dtype, str) and (dtype == "auto" or dtype in DTYPES))):
         raise InvalidRequestError(f"Unknown `dtype` {dtype!r}; use 'auto', one of {', '.join(DTYPES)}, or a torch.dtype.")
+    if weights not in WEIGHTS:
+        raise InvalidRequestError(f"Unknown `weights` {weights!r}; use one of {', '.join(map(repr, WEIGHTS))}.")
 
 
 class Client:
@@ -198,10 +201,11 @@ class Client:
         draft: Any = None,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
+        weights: str = "auto",
         spec: SpecConfig = SpecConfig(),
         limits: Limits = Limits(),
     ) -> None:
-        _check_model_options(model, device, dtype)
+        _check_model_options(model, device, dtype, weights)
         check_draft_reference(draft)
         if not isinstance(spec, SpecConfig):
             raise InvalidRequestError(f"`spec` must be an agentspec.SpecConfig, got {type(spec).__name__}.")
@@ -213,6 +217,7 @@ class Client:
         self._sources: DraftSources | None = None
         self.device = device
         self.dtype = dtype
+        self.weights = weights  # the target pass's linear kernels: "auto" (fastest measured), "eager", "onednn"
         self.spec = spec
         self._state = _State.NEW
         self._loaded: LoadedModel | None = None
@@ -243,6 +248,7 @@ class Client:
                 loaded,
                 max_draft_tokens=max(SpecConfig().max_draft_tokens, self.spec.max_draft_tokens),
                 prefix_cache=PrefixCache(int(limits.prefix_cache_mb * 2**20)) if limits.prefix_cache_mb else None,
+                weights=self.weights,
             )
             self._sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
             engine.drafter_factory = self._sources.drafter

@@ -33,8 +33,8 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def _describe(client: Client) -> str:
-    """``SmolLM2-135M-Instruct on cpu (torch.float32)``: the model line and the charts' title."""
-    return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype})"
+    """``SmolLM2-135M-Instruct on cpu (torch.float32, onednn weights)``: the model line and the charts' title."""
+    return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}, {client.engine.weights.name} weights)"
 
 
 def _save(args: Any, rows: list[Any], write_plot: Callable[..., Path], title: str) -> None:
@@ -55,7 +55,7 @@ async def main(args: Any) -> int:
             parse_system(system)
     except (KeyError, ValueError, OSError) as exc:
         raise SystemExit(str(exc)) from None
-    async with Client(args.model, device=args.device, draft=args.draft) as client:
+    async with Client(args.model, device=args.device, draft=args.draft, weights=args.weights) as client:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
         if args.concurrency:
             return await _load_main(client, args, selected)

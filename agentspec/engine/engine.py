@@ -47,6 +47,7 @@ from .packed import PackedRow, check_packed, forward_packed, use_packed_attentio
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
 from .verify import flatten, verify_greedy, verify_sampling
+from .weights import select_weights
 
 __all__ = ["Engine", "Kind", "Plan"]
 
@@ -119,12 +120,19 @@ class Engine:
         max_draft_tokens: int = 16,
         drafter_factory: DrafterFactory | None = None,
         prefix_cache: PrefixCache | None = None,
+        weights: str = "auto",
     ) -> None:
         self.loaded = loaded
-        self.model = loaded.model
         self.device = loaded.device
+        use_packed_attention(loaded.model)
+        self.layout = KVLayout.of(loaded.model)
+        # The model the target passes run: the loaded one, or a copy with faster linear kernels.
+        try:
+            self.weights = select_weights(loaded.model, self.layout, weights)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"weights={weights!r} cannot run here: {exc}. Use weights='auto' or 'eager'.") from exc
+        self.model = self.weights.model
         use_packed_attention(self.model)
-        self.layout = KVLayout.of(self.model)
         self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
         self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
         self.drafter_factory = drafter_factory or (lambda params: ngram_drafter(params, loaded))

@@ -69,13 +69,14 @@ async def serve(
     draft: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    weights: str = "auto",
     limits: Limits = Limits(),
     log_level: str = "warning",
 ) -> None:
     """Serve ``model`` (as ``Client`` takes it) until SIGINT/SIGTERM. ``model_name`` is the id
     callers send (default: the loaded model's name); ``api_key`` makes every route but /health need
     ``Authorization: Bearer <api_key>``."""
-    async with Client(model, draft=draft, device=device, dtype=dtype, limits=limits) as client:
+    async with Client(model, draft=draft, device=device, dtype=dtype, weights=weights, limits=limits) as client:
         name = model_name or client.loaded.name
         app = create_app(client, model_name=name, api_key=api_key)
         config = uvicorn.Config(
@@ -100,6 +101,7 @@ async def main(args: Any) -> int:
         draft=args.draft,
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         limits=Limits(max_batch=args.max_batch, max_queued=args.max_queued),
         log_level=args.log_level,
     )
