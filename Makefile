@@ -26,7 +26,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# llama.cpp, the bench's CPU peer: pip compiles it (about 13 minutes on 2 cores, then cached). AMX off:
+# GCC 12 builds AMX kernels that die with SIGILL on Sapphire Rapids.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+
 bench: $(STAMP)
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS='-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' $(BIN)/python -m pip install "$(LLAMA_CPP)"
 	$(BIN)/agentspec bench --json bench.json
 
 clean:

@@ -18,14 +18,19 @@ from agentspec.bench import (
     suffix_gain,
     workload,
 )
+from agentspec.bench.llamacpp import LLAMACPP_SYSTEMS, unavailable
 from agentspec.bench.single import _agent_loop
 from agentspec.engine.lengths import CostModel
 from agentspec.types import SpecConfig
 
+# Installed or not, llama.cpp's rows are tested on their own (test_llamacpp_rows): its own kernels on
+# the 4-bit file do not give transformers' tokens, which the rows below assert.
+OWN_SYSTEMS = [s for s in SYSTEMS if s not in LLAMACPP_SYSTEMS]
+
 
 @pytest.mark.parametrize("name", ["document_answer", "summary", "code_edit", "open_chat"])
 async def test_bench_rows(client, name):
-    rows = await run_bench(client, [workload(name)], SYSTEMS, max_tokens=6)
+    rows = await run_bench(client, [workload(name)], OWN_SYSTEMS, max_tokens=6)
     # no grammar, no earlier outputs, no draft model: n-grams are the only source, so no per-source rows
     assert [r.system for r in rows] == ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec"]
     for row in rows:
@@ -54,7 +59,7 @@ def test_oracle_bound():
 
 
 async def test_constrained_workloads_run_on_agentspec_and_outlines(client):
-    rows = await run_bench(client, [workload("tool_call"), workload("extraction")], SYSTEMS, max_tokens=12)
+    rows = await run_bench(client, [workload("tool_call"), workload("extraction")], OWN_SYSTEMS, max_tokens=12)
     systems = ["agentspec_plain", "outlines", "agentspec[grammar]", "agentspec[ngram]", "agentspec"]
     assert [(r.workload, r.system) for r in rows] == [(name, system) for name in ("tool_call", "extraction") for system in systems]
     for row in rows:
@@ -198,3 +203,29 @@ def test_progress_bar():
     assert progress_bar(1, 4, width=8) == "[##......] 1/4"
     assert progress_bar(4, 4, width=8) == "[########] 4/4"
     assert progress_bar(3, 12, width=4) == "[#...]  3/12"
+
+
+async def test_llamacpp_rows(client, capsys):
+    """llama.cpp on the same GGUF: plain and prompt lookup without a grammar, its JSON-schema grammar
+    under one, never on the agent loop. Not installed (`make test` does not build it; `make bench`
+    does): no rows, and the command says why."""
+    reason = unavailable(client)
+    systems = ["agentspec_plain", *LLAMACPP_SYSTEMS]
+    rows = await run_bench(client, [workload("document_answer"), workload("extraction"), workload("agent_loop")], systems, max_tokens=8)
+    ran = [(r.workload, r.system) for r in rows if r.system in LLAMACPP_SYSTEMS]
+    if reason is not None:
+        assert "llama-cpp-python is not installed" in reason and "make bench" in reason
+        assert ran == []
+        from agentspec.cli import main
+
+        assert main(["bench", "--workloads", "extraction", "--max-tokens", "2", "--systems", "agentspec_plain,llamacpp"]) == 0
+        assert f"no llama.cpp rows: {reason}" in capsys.readouterr().err
+        return
+    assert ran == [("document_answer", "llamacpp"), ("document_answer", "llamacpp_prompt_lookup"), ("extraction", "llamacpp")]
+    for row in (r for r in rows if r.system in LLAMACPP_SYSTEMS):
+        assert 1 <= row.tokens <= 8 and row.tokens_per_s > 0 and row.target_forwards == 0  # passes: not reported
+    from agentspec.bench.llamacpp import llamacpp_generate
+
+    work = workload("extraction")  # the grammar holds: a complete object with the schema's keys
+    text, tokens = await client.run_on_worker(lambda: llamacpp_generate(client, "llamacpp", work, 96))
+    assert set(json.loads(text)) >= set(work.params["response_format"]["json_schema"]["schema"]["required"]), text

@@ -5,6 +5,7 @@ the loaded model stays untouched; and greedy speculative == plain with either ke
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -12,8 +13,18 @@ from torch import nn
 
 import agentspec
 from agentspec.engine import Engine
-from agentspec.engine.kv import KVLayout
-from agentspec.engine.weights import OneDNNLinear, onednn_supported, select_weights, with_onednn_linears
+from agentspec.engine.fused import FusedLlamaPass, fused_unsupported
+from agentspec.engine.kv import KVBlock, KVLayout
+from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
+from agentspec.engine.weights import (
+    CANDIDATES,
+    OneDNNLinear,
+    onednn_linear,
+    onednn_supported,
+    select_weights,
+    torch_linear,
+    with_onednn_linears,
+)
 from agentspec.errors import InvalidRequestError, ModelLoadError
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
@@ -54,43 +65,81 @@ def test_onednn_copy_shares_parameters_and_leaves_the_model_alone(loaded):
 
 
 def test_select_weights_measures_caches_and_explains(loaded):
-    tiny = tiny_model(loaded, seed=3).model
+    tiny = tiny_model(loaded, seed=3).model  # a LlamaForCausalLM in float32 on the CPU: every candidate runs
     layout = KVLayout.of(tiny)
     eager = select_weights(tiny, layout, "eager")
-    assert eager.name == "eager" and eager.model is tiny
+    assert eager.name == "eager" and eager.reason == "requested"
     auto = select_weights(tiny, layout, "auto")
-    assert auto.name in ("eager", "onednn")
-    assert set(auto.timings_ms) == {"eager", "onednn"} and all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
-    faster = min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name]))
-    assert auto.name == faster and "measured" in auto.reason
+    assert set(auto.timings_ms) == set(CANDIDATES) and all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
+    assert auto.name == min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name])) and "measured" in auto.reason
     assert select_weights(tiny, layout, "auto") is auto  # decided once per model
-    assert (auto.model is tiny) == (auto.name == "eager")
     with pytest.raises(ValueError, match="Unknown weights 'fast'"):
         select_weights(tiny, layout, "fast")
 
 
-def test_onednn_refuses_what_it_cannot_run(loaded):
+def test_reduced_precision_leaves_out_what_cannot_run(loaded):
     tiny = tiny_model(loaded, seed=4)
     half = dataclasses.replace(tiny, model=tiny.model.to(torch.bfloat16), dtype=torch.bfloat16)
     assert "float32" in onednn_supported(half.model)
     auto = select_weights(half.model, KVLayout.of(half.model), "auto")
-    assert auto.name == "eager" and "float32" in auto.reason and auto.timings_ms == {}
+    assert set(auto.timings_ms) == {"eager", "fused"}  # the fused pass runs on F.linear there
+    assert "onednn: oneDNN packing here is for float32 weights" in auto.reason
     with pytest.raises(ModelLoadError, match="weights='onednn' cannot run here.*float32.*Use weights='auto' or 'eager'"):
         Engine(half, weights="onednn")
 
 
+def test_fused_pass_refuses_other_architectures(loaded):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    assert "not 'qwen2'" in fused_unsupported(Qwen2ForCausalLM(Qwen2Config(**small)))
+    assert "SiLU" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, hidden_act="gelu")))
+    assert "biases" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, attention_bias=True)))
+    with pytest.raises(ModelLoadError, match="weights='fused' cannot run here.*not 'qwen2'"):
+        qwen = Qwen2ForCausalLM(Qwen2Config(**{**small, "vocab_size": loaded.vocab_size})).eval()
+        Engine(dataclasses.replace(tiny_model(loaded), model=qwen), weights="fused")
+
+
+@torch.inference_mode()  # as the engine runs (under autograd, transformers' 1-position attention takes another kernel)
+def _passes(forward, layout):
+    """Logits of a two-sequence prefill, a batched verification after a rollback, and a lone step."""
+    blocks = [KVBlock(layout), KVBlock(layout)]
+    out = forward([PackedRow(blocks[0], list(range(1000, 1040)), 3), PackedRow(blocks[1], list(range(50, 61)), 1)])
+    blocks[0].length -= 2
+    out += forward([PackedRow(blocks[1], [7, 8, 9, 10, 11], 5), PackedRow(blocks[0], [300, 301, 302], 3)])
+    out += forward([PackedRow(blocks[0], [17], 1)])
+    return out
+
+
+def test_fused_pass_gives_the_models_logits(loaded):
+    """On oneDNN weights the fused pass is the same arithmetic as transformers' modules on the same
+    kernels, bit for bit; on F.linear it matches the model as loaded to float32 rounding."""
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    use_packed_attention(model)  # what an Engine does first
+    eager = _passes(functools.partial(forward_packed, model), layout)
+    on_torch = _passes(FusedLlamaPass(model, torch_linear), layout)
+    for got, expected in zip(on_torch, eager):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+    if onednn_supported(model) is None:
+        modules = _passes(functools.partial(forward_packed, with_onednn_linears(model)), layout)
+        fused = _passes(FusedLlamaPass(model, onednn_linear), layout)
+        assert all(torch.equal(a, b) for a, b in zip(fused, modules))
+        assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
+
+
 def test_client_rejects_unknown_weights_before_loading():
-    with pytest.raises(InvalidRequestError, match="Unknown `weights` 'int4'.*'auto', 'eager', 'onednn'"):
+    with pytest.raises(InvalidRequestError, match="Unknown `weights` 'int4'.*'auto', 'eager', 'onednn', 'fused'"):
         agentspec.Client(weights="int4")
 
 
 def test_default_engine_states_its_weights(engine):
     """The session's engine chose by measurement (which one depends on the CPU), and says why."""
     chosen = engine.weights
-    assert chosen.name in ("eager", "onednn")
+    assert chosen.name in CANDIDATES and engine.forward is chosen.forward
+    assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
-        assert set(chosen.timings_ms) == {"eager", "onednn"}
-        assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
+        assert set(chosen.timings_ms) == set(CANDIDATES)
+    assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 
 
 PROMPTS = [
@@ -100,7 +149,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("weights", ["eager", "onednn"])
+@pytest.mark.parametrize("weights", CANDIDATES)
 def test_greedy_speculative_matches_plain_with_either_weights(loaded, engine, weights):
     """Each kernel choice against plain decoding of the same weights (the equivalence suite runs the
     default choice): K pinned at 8, so drafts are verified at full length and rolled back."""

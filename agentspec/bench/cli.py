@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..client import Client
+from .llamacpp import LLAMACPP_SYSTEMS
+from .llamacpp import unavailable as llamacpp_unavailable
 from .load import format_load_table, run_concurrency, second_turn_ttft
 from .plot import write_bench_plot, write_load_plot
 from .single import format_table, ngram_oracle_speedup, run_bench, suffix_gain
@@ -64,6 +66,9 @@ async def main(args: Any) -> int:
         if "outlines" in systems and importlib.util.find_spec("outlines") is None:
             print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
             systems = [s for s in systems if s != "outlines"]
+        if any(s in LLAMACPP_SYSTEMS for s in systems) and (reason := llamacpp_unavailable(client)) is not None:
+            print(f"no llama.cpp rows: {reason}", file=sys.stderr)
+            systems = [s for s in systems if s not in LLAMACPP_SYSTEMS]
         cells = sum(1 for w in selected for s in systems if applies(s, w, client) and (s.startswith("agentspec") or not args.temperature))
         done = itertools.count(1)
         rows = await run_bench(

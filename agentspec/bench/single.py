@@ -33,6 +33,7 @@ from ..metrics import sum_stats
 from ..params import parse_params
 from ..structured.tools import with_tool_prompt
 from ..types import Completion, SpecConfig, SpecStats
+from .llamacpp import LLAMACPP_SYSTEMS, llamacpp_generate
 from .systems import SUFFIX_PAIRS, SYSTEMS, applies, parse_system
 from .workloads import WORKLOADS, Workload
 
@@ -173,6 +174,9 @@ async def _run_system(client: Client, system: str, work: Workload, max_tokens: i
     if system == "outlines":
         text, forwards = await client.run_on_worker(lambda: _outlines_generate(client, work, max_tokens))
         return _Run(text, forwards, forwards)
+    if system in LLAMACPP_SYSTEMS:  # its passes are not reported: 0, shown as unknown
+        text, tokens = await client.run_on_worker(lambda: llamacpp_generate(client, system, work, max_tokens))
+        return _Run(text, tokens, 0)
     sources = parse_system(system)
     spec: SpecConfig | bool = False if sources is None else client.spec.model_copy(update={"sources": sources})
     # Each timed request (a loop: each loop) drafts from its own prompt and output only and prefills
@@ -271,7 +275,8 @@ def ngram_oracle_speedup(prompt_ids: list[int], output_ids: list[int], costs: Co
 
 
 def format_table(rows: list[BenchRow]) -> str:
-    """Rows plus speedups against transformers plain, its prompt lookup, outlines and agentspec plain."""
+    """Rows plus speedups against transformers plain, its prompt lookup, outlines, llama.cpp (plain, or
+    its grammar under a schema) and agentspec plain."""
     baseline = {(r.workload, r.system): r.tokens_per_s for r in rows}
 
     def ratio(row: BenchRow, system: str) -> str:
@@ -281,14 +286,14 @@ def format_table(rows: list[BenchRow]) -> str:
     width = max([17, *(len(r.system) for r in rows)])
     header = (
         f"{'workload':<16} {'system':<{width}} {'tokens':>6} {'tok/s':>7} {'spread':>6} {'passes':>6} {'tok/pass':>8} "
-        f"{'accept':>6} {'×hf':>6} {'×lookup':>8} {'×outlines':>9} {'×plain':>7} {'identical':>9}"
+        f"{'accept':>6} {'×hf':>6} {'×lookup':>8} {'×outlines':>9} {'×llama':>7} {'×plain':>7} {'identical':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.workload:<16} {r.system:<{width}} {r.tokens:>6} {r.tokens_per_s:>7.1f} {r.spread:>6.0%} {r.target_forwards:>6} "
             f"{r.tokens_per_pass:>8.2f} {r.acceptance:>6.0%} {ratio(r, 'hf_plain'):>6} {ratio(r, 'hf_prompt_lookup'):>8} "
-            f"{ratio(r, 'outlines'):>9} {ratio(r, 'agentspec_plain'):>7} {str(r.identical_to_plain):>9}"
+            f"{ratio(r, 'outlines'):>9} {ratio(r, 'llamacpp'):>7} {ratio(r, 'agentspec_plain'):>7} {str(r.identical_to_plain):>9}"
         )
     return "\n".join(lines)
 

@@ -5,6 +5,9 @@ Systems (all greedy, same stop tokens, same max_tokens):
 - ``hf_prompt_lookup``  transformers ``generate(prompt_lookup_num_tokens=10)`` (n-gram assisted)
 - ``outlines``          outlines' own constrained generation (``outlines.Generator`` over the same
                         transformers model, the same JSON schema, compact whitespace)
+- ``llamacpp``          llama.cpp (llama-cpp-python) on the same GGUF file, plain; its own JSON-schema
+                        grammar under a schema (``llamacpp.py``)
+- ``llamacpp_prompt_lookup``  llama.cpp with its prompt-lookup drafting (10 tokens)
 - ``agentspec_plain``   agentspec with ``speculative=False`` (the same loop with K = 0)
 - ``agentspec[S+...]``  agentspec drafting from the named sources only (``SpecConfig.sources``):
                         each source on its own, where the workload gives it something to draft
@@ -12,6 +15,8 @@ Systems (all greedy, same stop tokens, same max_tokens):
 
 A system runs where it can do the task: transformers ``generate`` has no grammar, so not on the
 constrained workloads (tool call, extraction, agent loop); outlines only on those (one request each);
+llama.cpp (where installed, on a GGUF model) everywhere but the agent loop, its prompt lookup only
+without a grammar;
 ``agentspec[grammar]`` only under a grammar, ``agentspec[suffix]`` only on the agent loop (every
 other timed request starts with the suffix cache cleared), ``agentspec[model]`` only with a draft
 model; a subset of sources only where it leaves out one that applies (else it is ``agentspec``).
@@ -22,6 +27,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..types import DRAFT_SOURCES
+from .llamacpp import LLAMACPP_SYSTEMS
+from .llamacpp import unavailable as llamacpp_unavailable
 from .workloads import Workload
 
 if TYPE_CHECKING:
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PEERS", "SYSTEMS", "SUFFIX_PAIRS", "parse_system", "applicable_sources", "applies"]
 
-PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", "agentspec_plain")
+PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", *LLAMACPP_SYSTEMS, "agentspec_plain")
 # each source alone; what the suffix cache adds on the agent loop, to n-grams alone and to grammar +
 # n-grams (``suffix_gain``); all
 SUFFIX_PAIRS = (("agentspec[ngram+suffix]", "agentspec[ngram]"), ("agentspec", "agentspec[grammar+ngram]"))
@@ -78,6 +85,9 @@ def applies(system: str, work: Workload, client: Client) -> bool:
         return not work.constrained
     if system == "outlines":
         return work.constrained and not work.is_loop
+    if system in LLAMACPP_SYSTEMS:
+        runs = not work.is_loop if system == "llamacpp" else not work.constrained
+        return runs and llamacpp_unavailable(client) is None
     sources = parse_system(system)
     if sources is None or system == "agentspec":
         return True

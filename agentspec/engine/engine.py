@@ -13,7 +13,8 @@
    2-core CPU a pass over 2-3 positions costs more than one over 4-9: two plain sequences step faster
    padded to 4). A lone plain step is never padded, so plain decoding of one request does not hang on
    timings; padded positions are written past the committed tokens and dropped with the rejected drafts.
-5. **One pass**: every plan's tokens packed into one target forward (``packed.forward_packed``).
+5. **One pass**: every plan's tokens packed into one target forward (``Engine.forward``: ``packed.forward_packed``
+   or a faster pass that gives the same logits, ``weights.py``).
 6. **Verify** every decoding sequence at once (``verify``, flattened over the pass, one host read):
    each gets its accepted run and one recovered/bonus token.
 7. **Commit** token by token under the stop rules plain decoding applies (stop tokens, stop strings,
@@ -43,7 +44,7 @@ from ..model import LoadedModel
 from ..params import GenerationParams
 from .kv import KVBlock, KVLayout
 from .lengths import CostModel, RowBudget, choose_lengths
-from .packed import PackedRow, check_packed, forward_packed, use_packed_attention
+from .packed import PackedRow, check_packed, use_packed_attention
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
 from .verify import flatten, verify_greedy, verify_sampling
@@ -123,16 +124,16 @@ class Engine:
         weights: str = "auto",
     ) -> None:
         self.loaded = loaded
+        self.model = loaded.model
         self.device = loaded.device
-        use_packed_attention(loaded.model)
-        self.layout = KVLayout.of(loaded.model)
-        # The model the target passes run: the loaded one, or a copy with faster linear kernels.
+        use_packed_attention(self.model)
+        self.layout = KVLayout.of(self.model)
+        # The target pass: over the model's own modules, or a faster one that gives the same logits.
         try:
-            self.weights = select_weights(loaded.model, self.layout, weights)
+            self.weights = select_weights(self.model, self.layout, weights)
         except NotImplementedError as exc:
             raise ModelLoadError(f"weights={weights!r} cannot run here: {exc}. Use weights='auto' or 'eager'.") from exc
-        self.model = self.weights.model
-        use_packed_attention(self.model)
+        self.forward = self.weights.forward
         self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
         self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
         self.drafter_factory = drafter_factory or (lambda params: ngram_drafter(params, loaded))
@@ -151,21 +152,21 @@ class Engine:
         also warms the kernels up). The fastest of ``repeats`` runs is kept: interference from other
         processes only adds time."""
         try:
-            check_packed(self.model, self.layout)
+            check_packed(self.model, self.layout, forward=self.forward)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{self.loaded.name}: this architecture's attention is not supported by agentspec's batched passes ({exc})."
             ) from exc
         token = self.CALIBRATION_TOKEN
         block = KVBlock(self.layout)
-        forward_packed(self.model, [PackedRow(block, list(range(token, token + context)), 1)])
+        self.forward([PackedRow(block, list(range(token, token + context)), 1)])
         for positions in self._calibrate_shapes:
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
         # What each further sequence adds to a pass: one token each of ``segments`` sequences against
         # one sequence of ``segments`` tokens (same positions, same linear layers).
         segments = 8
         blocks = [KVBlock(self.layout) for _ in range(segments)]
-        forward_packed(self.model, [PackedRow(b, list(range(token, token + context)), 1) for b in blocks])
+        self.forward([PackedRow(b, list(range(token, token + context)), 1) for b in blocks])
         ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
         self.costs.segment_ms = max(0.0, (ms - self.costs.cost(segments)) / (segments - 1))
 
@@ -174,7 +175,7 @@ class Engine:
         timings = []
         for _ in range(repeats):
             started = time.perf_counter()
-            forward_packed(self.model, rows)
+            self.forward(rows)
             self._sync()
             timings.append((time.perf_counter() - started) * 1e3)
             for row in rows:
@@ -318,7 +319,7 @@ class Engine:
         try:
             if self.before_pass is not None:
                 self.before_pass([plan.state.seq for plan in plans])
-            logits = forward_packed(self.model, [plan.row() for plan in plans])  # 5. one pass
+            logits = self.forward([plan.row() for plan in plans])  # 5. one pass
             self._sync()
         except Exception as exc:
             if len(plans) == 1:

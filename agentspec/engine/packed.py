@@ -17,18 +17,24 @@ refuses a model it would get wrong.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .kv import KVBlock, KVLayout
 
-__all__ = ["PackedRow", "forward_packed", "check_packed", "use_packed_attention", "PACKED_ATTENTION"]
+__all__ = [
+    "PackedRow", "PackedInputs", "Segment", "pack_rows", "finish_rows", "store_kv", "attend",
+    "forward_packed", "check_packed", "use_packed_attention", "PACKED_ATTENTION", "PassFunction",
+]
 
 PACKED_ATTENTION = "agentspec_packed"
+# A target pass: rows in, each row's kept logits out (``forward_packed`` of a model, or a fused pass).
+PassFunction = Callable[[Sequence["PackedRow"]], list[torch.Tensor]]
 _local = threading.local()  # the packed pass running on this thread, if any
 
 
@@ -43,7 +49,10 @@ class PackedRow:
     pad: int = 0
 
 
-class _Segment:
+class Segment:
+    """One row's new tokens in a packed pass: ``[start, stop)`` of the pass's tokens, written to its
+    block after ``past`` keys/values, with their causal mask (one query group per row) if several."""
+
     __slots__ = ("block", "start", "stop", "past", "mask")
 
     def __init__(self, block: KVBlock, start: int, stop: int, groups: int) -> None:
@@ -56,24 +65,97 @@ class _Segment:
             self.mask = (keys[None, :] <= queries[:, None]).repeat(groups, 1)
 
 
+@dataclass
+class PackedInputs:
+    """A packed pass's inputs: every row's new tokens in one row, their positions, the positions
+    whose logits are kept, and each row's segment."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    keep: torch.Tensor  # [sum of row.logits]
+    segments: list[Segment]
+
+
+def pack_rows(rows: Sequence[PackedRow], groups: int) -> PackedInputs:
+    """Lay ``rows`` out as one pass (``groups``: query heads per key/value head), reserving room in
+    each row's block for its new tokens."""
+    device = rows[0].block.layout.device
+    ids: list[int] = []
+    positions: list[int] = []
+    keep: list[int] = []
+    segments = []
+    for row in rows:
+        new = len(row.tokens)
+        row.block.reserve(new)
+        start = len(ids)
+        segments.append(Segment(row.block, start, start + new, groups))
+        ids.extend(row.tokens)
+        positions.extend(range(row.block.length, row.block.length + new))
+        keep.extend(range(start + new - row.pad - row.logits, start + new - row.pad))
+    return PackedInputs(
+        torch.tensor([ids], device=device),
+        torch.tensor([positions], device=device),
+        torch.tensor(keep, dtype=torch.long, device=device),
+        segments,
+    )
+
+
+def finish_rows(rows: Sequence[PackedRow], logits: torch.Tensor) -> list[torch.Tensor]:
+    """After a pass: advance each row's block by its tokens; split the kept logits by row."""
+    for row in rows:
+        row.block.length += len(row.tokens)
+    return list(torch.split(logits, [row.logits for row in rows]))
+
+
+def store_kv(segments: list[Segment], layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a layer's new keys and values ([1, kv_heads, T, head_dim]) into each row's block."""
+    for seg in segments:
+        end = seg.past + seg.stop - seg.start
+        assert seg.block.data is not None
+        seg.block.data[layer, 0, :, seg.past : end] = keys[0, :, seg.start : seg.stop]
+        seg.block.data[layer, 1, :, seg.past : end] = values[0, :, seg.start : seg.stop]
+
+
+def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of each row's queries ([1, heads, T, head_dim]) over its own block's keys and
+    values (stored first); returns [1, T, heads, head_dim]."""
+    heads, head_dim = query.shape[1], query.shape[3]
+    outputs = []
+    for seg in segments:
+        new = seg.stop - seg.start
+        end = seg.past + new
+        data = seg.block.data
+        assert data is not None
+        kv_heads = data.shape[2]
+        groups = heads // kv_heads
+        keys, values = data[layer, 0, :, :end].unsqueeze(0), data[layer, 1, :, :end].unsqueeze(0)
+        # Grouped-query attention without copying keys: the query heads sharing a kv head become rows.
+        q = query[:, :, seg.start : seg.stop].reshape(1, kv_heads, groups * new, head_dim)
+        mask = seg.mask
+        if window is not None and end > window:
+            positions = torch.arange(new, device=query.device) + seg.past
+            keys_at = torch.arange(end, device=query.device)
+            mask = ((keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - window)).repeat(groups, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        outputs.append(out.reshape(1, heads, new, head_dim))
+    attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return attn.transpose(1, 2).contiguous()
+
+
 class _PackedCache:
     """What the model sees as its cache during a packed pass: writes each row's new keys/values into
     its block. Attention then reads the blocks (``_packed_attention``), not what this returns."""
 
     is_compileable = False
 
-    def __init__(self, segments: list[_Segment], layers: int) -> None:
+    def __init__(self, segments: list[Segment], layers: int) -> None:
         self.segments = segments
         self.is_sliding = [False] * layers
         self.is_linear = [False] * layers
         self.is_dummy = [False] * layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        for seg in self.segments:
-            end = seg.past + seg.stop - seg.start
-            assert seg.block.data is not None
-            seg.block.data[layer_idx, 0, :, seg.past : end] = key_states[0, :, seg.start : seg.stop]
-            seg.block.data[layer_idx, 1, :, seg.past : end] = value_states[0, :, seg.start : seg.stop]
+        store_kv(self.segments, layer_idx, key_states, value_states)
         return key_states, value_states
 
     # Asked by transformers' mask preparation; the packed attention needs no mask from it.
@@ -89,36 +171,14 @@ class _PackedCache:
 
 
 def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
-    segments: list[_Segment] | None = getattr(_local, "segments", None)
+    segments: list[Segment] | None = getattr(_local, "segments", None)
     if segments is None:  # not a packed pass: exactly transformers' sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("packed attention supports neither logit soft-capping nor attention sinks")
-    window = kwargs.get("sliding_window")
-    layer = module.layer_idx
-    heads, head_dim = query.shape[1], query.shape[3]
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    outputs = []
-    for seg in segments:
-        new = seg.stop - seg.start
-        end = seg.past + new
-        data = seg.block.data
-        assert data is not None
-        keys, values = data[layer, 0, :, :end].unsqueeze(0), data[layer, 1, :, :end].unsqueeze(0)
-        # Grouped-query attention without copying keys: the query heads sharing a kv head become rows.
-        q = query[:, :, seg.start : seg.stop].reshape(1, kv_heads, groups * new, head_dim)
-        mask = seg.mask
-        if window is not None and end > window:
-            positions = torch.arange(new, device=query.device) + seg.past
-            keys_at = torch.arange(end, device=query.device)
-            mask = ((keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - window)).repeat(groups, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=kwargs.get("scaling"))
-        outputs.append(out.reshape(1, heads, new, head_dim))
-    attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return attn.transpose(1, 2).contiguous(), None
+    return attend(segments, module.layer_idx, query, kwargs.get("scaling"), kwargs.get("sliding_window")), None
 
 
 def _packed_mask(*args: Any, **kwargs: Any) -> Any:
@@ -155,60 +215,44 @@ def use_packed_attention(model: Any) -> None:
 def forward_packed(model: Any, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
     """One target pass over every row's new tokens. Returns each row's logits for its last
     ``row.logits`` positions ([row.logits, V]) and advances each block's length by its tokens."""
-    layout = rows[0].block.layout
-    device = layout.device
-    ids: list[int] = []
-    positions: list[int] = []
-    keep: list[int] = []
-    segments = []
     config = model.config
     groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    for row in rows:
-        new = len(row.tokens)
-        row.block.reserve(new)
-        start = len(ids)
-        segments.append(_Segment(row.block, start, start + new, groups))
-        ids.extend(row.tokens)
-        positions.extend(range(row.block.length, row.block.length + new))
-        keep.extend(range(start + new - row.pad - row.logits, start + new - row.pad))
-    input_ids = torch.tensor([ids], device=device)
-    position_ids = torch.tensor([positions], device=device)
-    keep_index = torch.tensor(keep, dtype=torch.long, device=device)
-    _local.segments = segments
+    inputs = pack_rows(rows, groups)
+    _local.segments = inputs.segments
     try:
         logits = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            cache=_PackedCache(segments, layout.layers),
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            cache=_PackedCache(inputs.segments, rows[0].block.layout.layers),
             use_cache=True,
-            logits_to_keep=keep_index,
+            logits_to_keep=inputs.keep,
         ).logits[0]
     finally:
         _local.segments = None
-    for row in rows:
-        row.block.length += len(row.tokens)
-    return list(torch.split(logits, [row.logits for row in rows]))
+    return finish_rows(rows, logits)
 
 
 @torch.inference_mode()
-def check_packed(model: Any, layout: KVLayout, tolerance: float | None = None) -> float:
+def check_packed(model: Any, layout: KVLayout, tolerance: float | None = None, forward: PassFunction | None = None) -> float:
     """Largest logit difference between packed passes (two sequences, prefill then verification) and
-    the model's own forward on the same tokens; raises ``NotImplementedError`` past ``tolerance``."""
+    the model's own forward on the same tokens; raises ``NotImplementedError`` past ``tolerance``.
+    ``forward`` is the pass to check (default: ``forward_packed`` of ``model``)."""
+    run = forward or functools.partial(forward_packed, model)
     tolerance = tolerance if tolerance is not None else (1e-3 if layout.dtype == torch.float32 else 0.1)
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     texts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (11, 7)]
     reference = [model(input_ids=torch.tensor([t], device=layout.device)).logits[0, -4:].float() for t in texts]
     blocks = [KVBlock(layout), KVBlock(layout)]
-    forward_packed(model, [PackedRow(blocks[0], texts[0][:5], 1), PackedRow(blocks[1], texts[1][:2], 1)])
-    forward_packed(model, [PackedRow(blocks[1], texts[1][2:], 4), PackedRow(blocks[0], texts[0][5:], 4)])
+    run([PackedRow(blocks[0], texts[0][:5], 1), PackedRow(blocks[1], texts[1][:2], 1)])
+    run([PackedRow(blocks[1], texts[1][2:], 4), PackedRow(blocks[0], texts[0][5:], 4)])
     blocks[0].length -= 2  # rollbacks: the last tokens again, now as a verification
     blocks[1].length -= 1
-    second, first = forward_packed(model, [PackedRow(blocks[1], texts[1][-1:], 1), PackedRow(blocks[0], texts[0][-2:], 2)])
+    second, first = run([PackedRow(blocks[1], texts[1][-1:], 1), PackedRow(blocks[0], texts[0][-2:], 2)])
     difference = max(
         (second[-1].float() - reference[1][-1]).abs().max().item(),
         (first.float() - reference[0][-2:]).abs().max().item(),
     )
     if not difference <= tolerance:
-        raise NotImplementedError(f"packed attention differs from the model's own attention by {difference:.3g}")
+        raise NotImplementedError(f"packed passes differ from the model's own forward by {difference:.3g}")
     return difference

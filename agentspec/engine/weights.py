@@ -1,4 +1,4 @@
-"""How the target pass multiplies by its weights: transformers' own linear layers, or oneDNN's.
+"""Which target pass an engine runs, chosen by measurement: transformers' modules, or faster ones.
 
 A pass of a small model is its linear layers: on a CPU they are most of its time, and a verification
 pass of K+1 positions is worth running only if it costs little more than one position. transformers'
@@ -10,42 +10,54 @@ weights packed once, in its blocked layout (``torch.ops.mkldnn._reorder_linear_w
 how many rows share the call or where it sits (bit for bit, 1–32 rows; MKL's differs by ~5e-5) —
 which is what verification wants of a kernel.
 
-``Weights`` names the choice; ``select_weights`` makes it: ``"eager"`` is the model as loaded,
-``"onednn"`` a copy of its module tree whose linear layers hold oneDNN-packed weights (the loaded
-model is shared and stays untouched: ``generate``, draft models and benchmarks' baselines use it),
-and ``"auto"`` measures both on this machine at start-up and keeps the faster. The copy shares every
-other parameter; the packed weights are extra memory (the model's linear weights once more, 540 MB
-for the default model in float32).
+The candidates (``CANDIDATES``):
+- ``"eager"``: ``forward_packed`` over the model as loaded (any architecture, device, dtype).
+- ``"onednn"``: the same over a copy of the model's module tree whose linear layers hold
+  oneDNN-packed weights (any architecture; CPU, float32).
+- ``"fused"``: ``FusedLlamaPass`` (``fused.py``), agentspec's own pass for Llama-architecture models,
+  on oneDNN-packed weights where they run, else ``F.linear``.
+
+``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
+the model's, times each on 1- and 8-position passes, and keeps the fastest. The loaded model is shared
+and stays untouched (``generate``, draft models and the bench's baselines use it); the faster passes
+hold a second copy of the linear weights (540 MB for the default model in float32).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .fused import FusedLlamaPass, fused_unsupported
 from .kv import KVBlock, KVLayout
-from .packed import PackedRow, forward_packed
+from .packed import PackedRow, PassFunction, forward_packed, use_packed_attention
 
-__all__ = ["WEIGHTS", "Weights", "SelectedWeights", "OneDNNLinear", "onednn_supported", "with_onednn_linears", "select_weights"]
+__all__ = [
+    "WEIGHTS", "CANDIDATES", "SelectedWeights", "OneDNNLinear", "onednn_supported", "with_onednn_linears",
+    "onednn_linear", "torch_linear", "select_weights",
+]
 
 log = logging.getLogger("agentspec.engine")
 
-Weights = Literal["auto", "eager", "onednn"]
-WEIGHTS: tuple[str, ...] = ("auto", "eager", "onednn")
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused")
+WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES)
 
 # oneDNN picks its packed layout for an expected number of rows; 8 is a verification pass. The layout
 # (not the rows of a call) fixes the reduction order, so every pass shape gets the same sums.
 BATCH_HINT = 8
-# A packed copy must give the loaded model's logits up to summation order (float32).
+# A candidate must give the loaded model's logits up to summation order: float32, and reduced precision.
 AGREEMENT = 1e-3
+REDUCED_AGREEMENT = 0.1
 
 
 class OneDNNLinear(nn.Module):
@@ -56,12 +68,12 @@ class OneDNNLinear(nn.Module):
         super().__init__()
         self.weight = linear.weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self._product = onednn_linear(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = self._product(x.reshape(-1, self.in_features))
+        out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -95,14 +107,26 @@ def with_onednn_linears(model: Any) -> Any:
     return fast.eval()
 
 
+def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def torch_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` with ``F.linear`` (any device and dtype)."""
+    weight = weight.detach()
+    return lambda x: F.linear(x, weight)
+
+
 @dataclass(frozen=True)
 class SelectedWeights:
-    """The model a target pass runs (``model``), which weights it holds, and why."""
+    """The target pass an engine runs (``forward``), which one it is, and why it was chosen."""
 
-    name: Literal["eager", "onednn"]
-    model: Any
+    name: str  # one of CANDIDATES
+    forward: PassFunction
     reason: str
-    timings_ms: dict[str, tuple[float, ...]]  # per candidate: pass times at MEASURED_POSITIONS (auto only)
+    timings_ms: dict[str, tuple[float, ...]]  # per candidate measured: pass times at MEASURED_POSITIONS (auto only)
 
 
 MEASURED_POSITIONS = (1, 8)  # one plain token and a typical verification
@@ -110,30 +134,45 @@ _selected: "weakref.WeakKeyDictionary[Any, dict[str, SelectedWeights]]" = weakre
 _selected_lock = threading.Lock()
 
 
-def _pass_ms(model: Any, layout: KVLayout, positions: int, repeats: int = 3, context: int = 64) -> float:
+def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: int = 3, context: int = 64) -> float:
     block = KVBlock(layout)
-    forward_packed(model, [PackedRow(block, list(range(100, 100 + context)), 1)])
+    forward([PackedRow(block, list(range(100, 100 + context)), 1)])
     timings = []
     for _ in range(repeats):
         started = time.perf_counter()
-        forward_packed(model, [PackedRow(block, [100] * positions, 1)])
+        forward([PackedRow(block, [100] * positions, 1)])
         timings.append((time.perf_counter() - started) * 1e3)
         block.length -= positions
     return min(timings)
 
 
-def _disagreement(model: Any, other: Any, layout: KVLayout) -> float:
-    tokens = list(range(200, 240))
-    logits = [forward_packed(m, [PackedRow(KVBlock(layout), tokens, 8)])[0] for m in (model, other)]
+def _disagreement(reference: PassFunction, candidate: PassFunction, layout: KVLayout) -> float:
+    """Largest logit difference over a 40-token prefill and an 8-position verification."""
+    logits = []
+    for forward in (reference, candidate):
+        block = KVBlock(layout)
+        prefill = forward([PackedRow(block, list(range(200, 240)), 4)])[0]
+        logits.append(torch.cat([prefill, forward([PackedRow(block, list(range(300, 308)), 8)])[0]]).float())
     return (logits[0] - logits[1]).abs().max().item()
+
+
+def _build(model: Any, name: str) -> PassFunction:
+    """The pass ``name`` over ``model``; ``NotImplementedError`` where it cannot run."""
+    if name in ("eager", "onednn"):
+        use_packed_attention(model)
+        return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
+    reason = fused_unsupported(model)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return FusedLlamaPass(model, torch_linear if onednn_supported(model) is not None else onednn_linear)
 
 
 @torch.inference_mode()
 def select_weights(model: Any, layout: KVLayout, requested: str = "auto") -> SelectedWeights:
-    """The weights a target pass of ``model`` should run with: ``requested``, or for ``"auto"`` the
-    faster of the candidates measured here (1- and 8-position passes). Decided once per model and
-    request, shared by every engine of that model. Raises ``ValueError`` for a name not in WEIGHTS
-    and ``NotImplementedError`` for ``"onednn"`` where it cannot run."""
+    """The target pass for ``model``: ``requested``, or for ``"auto"`` the fastest of the candidates
+    that can run here and agree with the model (1- and 8-position passes, timed here). Decided once
+    per model and request, shared by every engine of that model. Raises ``ValueError`` for a name not
+    in WEIGHTS and ``NotImplementedError`` for a candidate that cannot run here."""
     if requested not in WEIGHTS:
         raise ValueError(f"Unknown weights {requested!r}; use one of {', '.join(WEIGHTS)}.")
     with _selected_lock:
@@ -144,25 +183,28 @@ def select_weights(model: Any, layout: KVLayout, requested: str = "auto") -> Sel
 
 
 def _select(model: Any, layout: KVLayout, requested: str) -> SelectedWeights:
-    if requested == "eager":
-        return SelectedWeights("eager", model, "requested", {})
-    unsupported = onednn_supported(model)
-    if requested == "onednn":
-        if unsupported is not None:
-            raise NotImplementedError(unsupported)
-        return SelectedWeights("onednn", with_onednn_linears(model), "requested", {})
-    if unsupported is not None:
-        return SelectedWeights("eager", model, unsupported, {})
-    fast = with_onednn_linears(model)
-    difference = _disagreement(model, fast, layout)
-    if not difference <= AGREEMENT:
-        return SelectedWeights("eager", model, f"oneDNN's logits differ from the model's by {difference:.3g}", {})
-    timings = {
-        name: tuple(_pass_ms(candidate, layout, positions) for positions in MEASURED_POSITIONS)
-        for name, candidate in (("eager", model), ("onednn", fast))
-    }
-    faster = sum(timings["onednn"]) < sum(timings["eager"])
+    if requested != "auto":
+        return SelectedWeights(requested, _build(model, requested), "requested", {})
+    reference = _build(model, "eager")
+    tolerance = AGREEMENT if layout.dtype == torch.float32 else REDUCED_AGREEMENT
+    candidates: dict[str, PassFunction] = {"eager": reference}
+    left_out: list[str] = []
+    for name in CANDIDATES[1:]:
+        try:
+            forward = _build(model, name)
+        except NotImplementedError as exc:
+            left_out.append(f"{name}: {exc}")
+            continue
+        difference = _disagreement(reference, forward, layout)
+        if difference <= tolerance:
+            candidates[name] = forward
+        else:
+            left_out.append(f"{name}: its logits differ from the model's by {difference:.3g}")
+    timings = {name: tuple(_pass_ms(forward, layout, p) for p in MEASURED_POSITIONS) for name, forward in candidates.items()}
+    best = min(timings, key=lambda name: sum(timings[name]))
     shown = ", ".join(f"{name} {'/'.join(f'{ms:.1f}' for ms in t)} ms" for name, t in timings.items())
     reason = f"measured passes of {'/'.join(map(str, MEASURED_POSITIONS))} positions: {shown}"
-    log.info("target weights: %s (%s)", "onednn" if faster else "eager", reason)
-    return SelectedWeights("onednn", fast, reason, timings) if faster else SelectedWeights("eager", model, reason, timings)
+    if left_out:
+        reason += f"; not candidates here: {'; '.join(left_out)}"
+    log.info("target pass: %s (%s)", best, reason)
+    return SelectedWeights(best, candidates[best], reason, timings)
