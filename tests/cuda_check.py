@@ -73,6 +73,7 @@ def equivalence(model: str | None, device: str, dtype: str, max_tokens: int) -> 
         "batched_plain_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_plain)],
         "batched_speculative_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_spec)],
         "pass_ms_by_positions": {p: round(engine.costs.cost(p), 2) for p in (1, 2, 4, 8, 17, 32, 64)},
+        "target_pass": {"chosen": engine.weights.name, "reason": engine.weights.reason},  # eager vs fused, timed there
     }
 
 

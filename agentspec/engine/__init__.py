@@ -5,7 +5,7 @@
 - ``lengths.py``  how many draft tokens a pass verifies: measured pass costs and acceptance
 - ``verify.py``   verification as pure functions over a pass's flattened rows
 - ``kv.py``       keys/values per sequence; ``packed.py`` the packed multi-sequence target pass
-- ``weights.py``  the target pass's linear kernels (as loaded, or oneDNN-packed), chosen by measurement
+- ``weights.py``  which target pass runs (transformers' modules, oneDNN-packed, or ``fused.py``), measured
 - ``prefix.py``   prefix reuse across requests
 """
 
