@@ -167,3 +167,9 @@ def test_greedy_speculative_matches_plain_with_either_weights(loaded, engine, we
         assert got.tokens == expected.tokens, prompt
         drafted += got.stats.drafted_tokens
     assert drafted > 10  # drafts were verified, not just plain steps
+
+
+def test_forward_packed_refuses_a_model_without_the_packed_attention(loaded):
+    tiny = tiny_model(loaded, seed=5).model  # fresh: transformers' sdpa, which would ignore the blocks' past
+    with pytest.raises(RuntimeError, match="call use_packed_attention"):
+        forward_packed(tiny, [PackedRow(KVBlock(KVLayout.of(tiny)), [1, 2, 3], 1)])

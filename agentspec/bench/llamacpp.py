@@ -18,6 +18,7 @@ reason (``unavailable``).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 from pathlib import Path
@@ -74,9 +75,10 @@ def _llama(client: Client, system: str) -> Any:
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS) if system == "llamacpp_prompt_lookup" else None
         threads = torch.get_num_threads()
-        _MODELS[key] = Llama(
+        llm = _MODELS[key] = Llama(
             model_path=str(path), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
         )
+        atexit.register(llm.close)  # before interpreter teardown, where its finaliser fails noisily
     return _MODELS[key]
 
 

@@ -216,6 +216,8 @@ def forward_packed(model: Any, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
     """One target pass over every row's new tokens. Returns each row's logits for its last
     ``row.logits`` positions ([row.logits, V]) and advances each block's length by its tokens."""
     config = model.config
+    if getattr(config, "_attn_implementation", None) != PACKED_ATTENTION:  # it would attend without the past
+        raise RuntimeError("forward_packed needs the packed attention: call use_packed_attention(model) first.")
     groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     inputs = pack_rows(rows, groups)
     _local.segments = inputs.segments
