@@ -35,7 +35,7 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def _describe(client: Client) -> str:
-    """``SmolLM2-135M-Instruct on cpu (torch.float32, onednn weights)``: the model line and the charts' title."""
+    """``SmolLM2-135M-Instruct on cpu (torch.float32, fused weights)``: the model line and the charts' title."""
     return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}, {client.engine.weights.name} weights)"
 
 
