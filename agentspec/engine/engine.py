@@ -48,7 +48,7 @@ from .packed import PackedRow, check_packed, use_packed_attention
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
 from .verify import flatten, verify_greedy, verify_sampling
-from .weights import select_weights
+from .weights import fastest_pass_ms, select_weights
 
 __all__ = ["Engine", "Kind", "Plan"]
 
@@ -172,15 +172,7 @@ class Engine:
 
     def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
         """The fastest of ``repeats`` runs of one pass over ``rows`` (rolled back after each), in ms."""
-        timings = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            self.forward(rows)
-            self._sync()
-            timings.append((time.perf_counter() - started) * 1e3)
-            for row in rows:
-                row.block.length -= len(row.tokens)
-        return min(timings)
+        return fastest_pass_ms(self.forward, rows, repeats)
 
     def start(self, seq: Sequence) -> None:
         """Register a sequence; its first ``step`` is the prefill (of what the prefix cache lacks)."""
