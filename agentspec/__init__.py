@@ -16,6 +16,7 @@ from .errors import (
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    RemoteError,
     RequestTimeoutError,
     UnsupportedFeatureError,
 )
@@ -45,4 +46,5 @@ __all__ = [
     "EngineOverloadedError",
     "RequestTimeoutError",
     "EngineError",
+    "RemoteError",
 ]

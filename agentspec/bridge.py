@@ -14,7 +14,7 @@ Cancellation: closing either iterator (break, ``aclose()``, a cancelled consumer
 collection of an abandoned generator) cancels the request's task on the background loop, which
 closes the agentspec stream, which stops decoding before the engine's next step.
 
-Clients are shared per ``ClientKey`` (model, device, dtype) across every integration in the process:
+Clients are shared per ``ClientKey`` (model, device, dtype; or a server's base_url and key) across every integration in the process:
 the weights load once and one engine worker serves them all. Nothing starts until first use.
 """
 
@@ -38,11 +38,19 @@ CLOSE_TIMEOUT_S = 5.0
 
 
 class ClientKey(NamedTuple):
-    """What identifies a shared client: ``agentspec.Client(model, device=..., dtype=...)``."""
+    """What identifies a shared client: ``agentspec.Client(model, device=..., dtype=...)``, or with
+    ``base_url`` a client of that server (``model`` is then the server's model id)."""
 
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    base_url: str | None = None
+    api_key: str | None = None
+
+    def client(self) -> Client:
+        if self.base_url is not None:
+            return Client(self.model, base_url=self.base_url, api_key=self.api_key)
+        return Client(self.model, device=self.device, dtype=self.dtype)
 
 
 class Backend:
@@ -59,7 +67,7 @@ class Backend:
         failed start is retried by the next caller; one caller giving up does not abort the load."""
         start = self._starts.get(key)
         if start is None or (start.done() and (start.cancelled() or start.exception() is not None)):
-            start = self._starts[key] = asyncio.ensure_future(Client(key.model, device=key.device, dtype=key.dtype).start())
+            start = self._starts[key] = asyncio.ensure_future(key.client().start())
         return await asyncio.shield(start)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -12,6 +12,7 @@ its cause::
     ├── EngineOverloadedError                   the request queue is full; retry later
     ├── RequestTimeoutError (also TimeoutError) the request ran past its `timeout`; text streamed so far stands
     └── EngineError                             decoding failed for one request; others are unaffected
+        └── RemoteError                         the server (``Client(base_url=...)``) failed it or could not be reached
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "EngineOverloadedError",
     "RequestTimeoutError",
     "EngineError",
+    "RemoteError",
 ]
 
 
@@ -64,3 +66,12 @@ class RequestTimeoutError(AgentSpecError, TimeoutError):
 
 class EngineError(AgentSpecError):
     """Decoding failed for one request (the cause is chained). Other requests keep running."""
+
+
+class RemoteError(EngineError):
+    """The server of a ``Client(base_url=...)`` failed the request, refused the key, or could not be
+    reached; the message carries the server's. ``status`` is its HTTP status, when it sent one."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -43,26 +43,31 @@ class _Totals:
 
     def __init__(self) -> None:
         self.stats = SpecStats()
-        self.ttft_sum = 0.0
-        self.tpot_sum = 0.0
+        self.ttft_sum: float | None = 0.0
+        self.tpot_sum: float | None = 0.0
         self.timed = 0  # requests that produced a first token (the means' base)
 
     def add(self, stats: SpecStats) -> None:
         total = self.stats
         for name in _COUNTERS:
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
+            mine, theirs = getattr(total, name), getattr(stats, name)
+            setattr(total, name, None if mine is None or theirs is None else mine + theirs)  # unknown stays unknown
         for source, count in stats.accepted_by_source.items():
             total.accepted_by_source[source] = total.accepted_by_source.get(source, 0) + count
         if stats.output_tokens:
-            self.ttft_sum += stats.ttft_ms
-            self.tpot_sum += stats.tpot_ms
+            self.ttft_sum = _plus(self.ttft_sum, stats.ttft_ms)
+            self.tpot_sum = _plus(self.tpot_sum, stats.tpot_ms)
             self.timed += 1
 
     def snapshot(self) -> SpecStats:
         total = self.stats.model_copy(deep=True).derive()
-        total.ttft_ms = self.ttft_sum / self.timed if self.timed else 0.0
-        total.tpot_ms = self.tpot_sum / self.timed if self.timed else 0.0
+        total.ttft_ms = None if self.ttft_sum is None else (self.ttft_sum / self.timed if self.timed else 0.0)
+        total.tpot_ms = None if self.tpot_sum is None else (self.tpot_sum / self.timed if self.timed else 0.0)
         return total
+
+
+def _plus(total: float | None, value: float | None) -> float | None:
+    return None if total is None or value is None else total + value
 
 
 def sum_stats(items: Iterable[SpecStats]) -> SpecStats:
@@ -118,7 +123,9 @@ class MetricsAggregator:
 
 
 def _render(lines: list[str], prefix: str, stats: SpecStats, label: str) -> None:
-    def metric(name: str, kind: str, help_text: str, value: float, extra: str = "") -> None:
+    def metric(name: str, kind: str, help_text: str, value: float | None, extra: str = "") -> None:
+        if value is None:  # not known (a remote server that does not report it): no series
+            return
         full = f"{prefix}_{name}"
         if not any(line.startswith(f"# TYPE {full} ") for line in lines):
             lines.append(f"# HELP {full} {help_text}")
@@ -136,14 +143,18 @@ def _render(lines: list[str], prefix: str, stats: SpecStats, label: str) -> None
     metric("target_forward_passes_saved_total", "counter", "Output tokens minus target passes.", stats.target_forward_passes_saved)
     metric("rollbacks_total", "counter", "Steps that rejected part of a draft.", stats.rollbacks)
     metric("fallback_steps_total", "counter", "Steps decoded plainly although a draft existed.", stats.fallback_steps)
-    metric("draft_seconds_total", "counter", "Time spent drafting.", stats.draft_ms / 1e3)
-    metric("verify_seconds_total", "counter", "Time spent in target passes and verification.", stats.verify_ms / 1e3)
+    metric("draft_seconds_total", "counter", "Time spent drafting.", _seconds(stats.draft_ms))
+    metric("verify_seconds_total", "counter", "Time spent in target passes and verification.", _seconds(stats.verify_ms))
     metric("cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache, not prefilled.", stats.cached_prompt_tokens)
     metric("shadow_checks_total", "counter", "Requests re-decoded plainly by shadow sampling.", stats.shadow_checks)
     metric("quality_diff_sampled_total", "counter", "Shadow checks that disagreed with plain decoding (bugs).", stats.quality_diff_sampled)
     metric("acceptance_rate", "gauge", "Accepted over drafted tokens.", stats.acceptance_rate)
-    metric("ttft_seconds_mean", "gauge", "Mean time to first token.", stats.ttft_ms / 1e3)
-    metric("tpot_seconds_mean", "gauge", "Mean time per output token after the first.", stats.tpot_ms / 1e3)
+    metric("ttft_seconds_mean", "gauge", "Mean time to first token.", _seconds(stats.ttft_ms))
+    metric("tpot_seconds_mean", "gauge", "Mean time per output token after the first.", _seconds(stats.tpot_ms))
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
 
 
 def log_request(seq: Sequence) -> None:

@@ -113,11 +113,12 @@ class Limits(BaseModel):
 
 
 class Usage(BaseModel):
-    """Token counts. ``completion_tokens`` counts every generated token, a final stop token included."""
+    """Token counts. ``completion_tokens`` counts every generated token, a final stop token included.
+    A remote server that reports no usage leaves them ``None``."""
 
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    total_tokens: int | None = 0
 
 
 class SpecStats(BaseModel):
@@ -125,32 +126,35 @@ class SpecStats(BaseModel):
 
     ``target_forward_passes_saved`` = output tokens − target passes: what speculation bought.
     ``ttft_ms`` and ``tpot_ms`` are per request; in aggregates they are means over ``requests``.
+    A field is ``None`` where it is not known: a remote server (``Client(base_url=...)``) reports
+    only some of them, and an aggregate is unknown where one of its requests' values is.
     """
 
     requests: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float = 0.0
+    drafted_tokens: int | None = 0
+    accepted_tokens: int | None = 0
+    acceptance_rate: float | None = 0.0
     accepted_by_source: dict[str, int] = Field(default_factory=dict)
-    output_tokens: int = 0
-    target_forward_passes: int = 0
-    target_forward_passes_saved: int = 0
-    mean_accepted_length: float = 0.0
-    rollbacks: int = 0
-    fallback_steps: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    cached_prompt_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache (not prefilled)
+    output_tokens: int | None = 0
+    target_forward_passes: int | None = 0
+    target_forward_passes_saved: int | None = 0
+    mean_accepted_length: float | None = 0.0
+    rollbacks: int | None = 0
+    fallback_steps: int | None = 0
+    draft_ms: float | None = 0.0
+    verify_ms: float | None = 0.0
+    ttft_ms: float | None = 0.0
+    tpot_ms: float | None = 0.0
+    cached_prompt_tokens: int | None = 0  # prompt tokens whose keys/values came from the prefix cache (not prefilled)
     shadow_checks: int = 0  # requests re-decoded plainly by shadow sampling (SpecConfig.shadow_rate)
     quality_diff_sampled: int = 0  # of those, how many disagreed with their plain decoding: bugs
 
     def derive(self) -> "SpecStats":
         """Recompute the ratios from the counters (after summing or finishing); returns self."""
-        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-        self.target_forward_passes_saved = self.output_tokens - self.target_forward_passes
-        self.mean_accepted_length = self.output_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+        drafted, accepted, output, passes = self.drafted_tokens, self.accepted_tokens, self.output_tokens, self.target_forward_passes
+        self.acceptance_rate = None if drafted is None or accepted is None else (accepted / drafted if drafted else 0.0)
+        self.target_forward_passes_saved = None if output is None or passes is None else output - passes
+        self.mean_accepted_length = None if output is None or passes is None else (output / passes if passes else 0.0)
         return self
 
 

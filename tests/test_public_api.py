@@ -5,7 +5,7 @@ import agentspec
 EXPECTED = {
     "Client", "Stream", "SpecConfig", "Limits", "SpecStats", "Usage", "Event", "TextDelta", "ToolCallDelta", "ToolCall",
     "Done", "Completion", "AgentSpecError", "InvalidRequestError", "ContextLengthError", "UnsupportedFeatureError",
-    "ModelLoadError", "ClientClosedError", "EngineOverloadedError", "RequestTimeoutError", "EngineError",
+    "ModelLoadError", "ClientClosedError", "EngineOverloadedError", "RequestTimeoutError", "EngineError", "RemoteError",
 }
 
 
@@ -22,6 +22,7 @@ def test_error_tree():
             assert issubclass(obj, agentspec.AgentSpecError)
     assert issubclass(agentspec.InvalidRequestError, ValueError)
     assert issubclass(agentspec.ContextLengthError, agentspec.InvalidRequestError)
+    assert issubclass(agentspec.RemoteError, agentspec.EngineError)
 
 
 def test_spec_stats_has_every_contract_field():

@@ -8,17 +8,17 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import jsonschema
+import pydantic
 import pytest
 
 import agentspec
 from agentspec import Done, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
+from tests.processes import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
 wire = pytest.importorskip("agentspec.serve.wire", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
@@ -26,7 +26,6 @@ wire = pytest.importorskip("agentspec.serve.wire", reason="the serve extra is no
 API_KEY = "test-serve-key"
 MAX_QUEUED = 2  # small enough for the overload test to fill with two streams
 START_TIMEOUT_S = 600  # loading and calibrating on a busy 2-core machine has taken 2.5 minutes
-READY = re.compile(r"ready at (http://127\.0\.0\.1:\d+/v1)")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
@@ -46,50 +45,17 @@ CITY = {
 }
 
 
-class ServerProcess:
-    """``python -m agentspec serve --port 0`` and its output, read on a thread for the ready line."""
-
-    def __init__(self) -> None:
-        command = [sys.executable, "-m", "agentspec", "serve", "--port", "0", "--max-queued", str(MAX_QUEUED)]
-        env = {**os.environ, "AGENTSPEC_API_KEY": API_KEY}
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            found = READY.search(line)
-            if found and self.url is None:
-                self.url = found.group(1)
-                self._ready.set()
-        self._ready.set()  # the process ended
-
-    def wait_ready(self) -> str:
-        self._ready.wait(START_TIMEOUT_S)
-        if self.url is None:
-            pytest.fail(f"agentspec serve did not start (exit code {self.proc.poll()}):\n{''.join(self.lines)}")
-        return self.url
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+def serve_process() -> ServerProcess:
+    """``python -m agentspec serve --port 0`` with the test key, a small queue."""
+    command = [sys.executable, "-m", "agentspec", "serve", "--port", "0", "--max-queued", str(MAX_QUEUED)]
+    return ServerProcess(command, env={**os.environ, "AGENTSPEC_API_KEY": API_KEY}, start_timeout_s=START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def server_process():
     """Launched before the session ``client`` fixture loads its model, so the two loads overlap
     (session scope orders it first); ``server`` stops it when this module ends."""
-    process = ServerProcess()
+    process = serve_process()
     yield process
     process.stop()
 
@@ -319,6 +285,122 @@ async def test_abandoned_completion_is_cancelled(server, http, model):
         with pytest.raises(openai.APITimeoutError):
             await impatient.chat.completions.create(model=model, messages=STORY, max_tokens=256)
     await wait_idle(http, within_s=5)
+
+
+# -- agentspec.Client(base_url=...) against the server ----------------------------------------------
+
+
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    sunny: bool
+
+
+REMOTE_REQUESTS = {
+    "text": (QUESTION, dict(max_tokens=16)),
+    "stop": (QUESTION, dict(max_tokens=24, stop=["."])),
+    "forced_tool": ([{"role": "user", "content": "What is the weather in Paris?"}], dict(tools=[WEATHER], tool_choice="required", max_tokens=24)),
+    "auto_tool": ([{"role": "user", "content": "What is the weather in Oslo?"}], dict(tools=[WEATHER], max_tokens=24)),
+    "pydantic": ([{"role": "user", "content": "Is it sunny in Rome today? Reply in JSON."}], dict(response_format=Place, max_tokens=24)),
+    "json_schema": (
+        [{"role": "user", "content": "Is it sunny in Rome today? Reply in JSON."}],
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY}}, max_tokens=24),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+async def remote(server: str):
+    async with agentspec.Client(base_url=server, api_key=API_KEY) as remote:
+        yield remote
+
+
+def summary(events: list) -> dict:
+    """What a stream says, without what differs by design between two runs: how text is cut into
+    deltas (it follows each step's accepted draft), call ids and token ids."""
+    calls: dict[int, dict] = {}
+    for event in events:
+        if isinstance(event, ToolCallDelta):
+            call = calls.setdefault(event.index, {"names": [], "arguments": ""})
+            call["names"] += [event.name] if event.name is not None else []
+            call["arguments"] += event.arguments
+    return {
+        "text": "".join(e.text for e in events if isinstance(e, TextDelta)),
+        "deltas": calls,
+        "calls": [e.model_dump(exclude={"id"}) for e in events if isinstance(e, ToolCall)],
+        "done": events[-1].model_dump(exclude={"stats"}),
+        "kinds": [type(e).__name__ for e in events if not isinstance(e, (TextDelta, ToolCallDelta))],
+    }
+
+
+@pytest.mark.parametrize("name", REMOTE_REQUESTS)
+async def test_remote_client_equals_the_local_client(remote, client, model, name):
+    """The same greedy request through ``Client(base_url=...)`` and in-process: the same events
+    (text, call deltas, validated calls), the same parsed object and usage."""
+    messages, params = REMOTE_REQUESTS[name]
+    async def events(c: agentspec.Client) -> list:
+        return [event async for event in c.stream(messages, **params)]
+
+    far, near = await asyncio.gather(events(remote), events(client))
+    assert summary(far) == summary(near)
+    far_done, near_done = far[-1], near[-1]
+    assert far_done.finish_reason == near_done.finish_reason and far_done.usage == near_done.usage
+    calls = [e for e in far if isinstance(e, ToolCall)]
+    if name == "forced_tool":
+        assert far_done.finish_reason == "tool_calls" and [c.name for c in calls] == ["get_weather"]
+        first, *rest = [e for e in far if isinstance(e, ToolCallDelta)]
+        assert first.id == calls[0].id and first.name == "get_weather" and all(d.id is None and d.name is None for d in rest)
+    # the server's own statistics for this request: every field known, as local ones
+    stats = far_done.stats
+    assert stats.requests == 1 and stats.output_tokens == near_done.stats.output_tokens == near_done.usage.completion_tokens
+    assert 1 <= stats.target_forward_passes <= stats.output_tokens and stats.ttft_ms > 0
+    assert None not in stats.model_dump().values()
+
+    far_completion, near_completion = await asyncio.gather(remote.generate(messages, **params), client.generate(messages, **params))
+    assert far_completion.text == near_completion.text and far_completion.parsed == near_completion.parsed
+    assert [(c.name, c.arguments) for c in far_completion.tool_calls] == [(c.name, c.arguments) for c in near_completion.tool_calls]
+    assert far_completion.token_ids == []  # the wire carries text, not token ids
+
+
+async def test_remote_speculation_settings_reach_the_server(remote, client):
+    plain = await remote.generate(QUESTION, max_tokens=16, speculative=False)
+    pinned = await remote.generate(QUESTION, max_tokens=16, speculative=agentspec.SpecConfig(adaptive=False, max_draft_tokens=4), tag="remote-test")
+    assert plain.stats.drafted_tokens == plain.stats.accepted_tokens == 0
+    assert plain.text == pinned.text == (await client.generate(QUESTION, max_tokens=16)).text
+    assert remote.metrics("remote-test").requests == 1 and remote.metrics().requests >= 2
+
+
+async def test_remote_stream_closed_early_frees_the_server(remote, http):
+    received = 0
+    async with remote.stream(STORY, max_tokens=256) as stream:
+        async for event in stream:
+            received += isinstance(event, TextDelta)
+            if received == 3:
+                break  # leaving the block closes the HTTP response
+    assert await wait_idle(http, within_s=5) < 5
+
+
+async def test_remote_errors_are_typed_and_the_client_keeps_serving(remote, server, model):
+    with pytest.raises(agentspec.InvalidRequestError, match="temperature"):
+        remote.stream(QUESTION, temperature=-1)  # checked here, before anything is sent
+    with pytest.raises(agentspec.InvalidRequestError, match="the server refused the request"):
+        await remote.generate([{"role": "wizard", "content": "hi"}], max_tokens=4)  # the server's own validation
+    with pytest.raises(agentspec.RequestTimeoutError):
+        await remote.generate(STORY, max_tokens=256, timeout=0.5)
+    assert (await remote.generate(QUESTION, max_tokens=4)).finish_reason in ("stop", "length")
+
+    for bad in (dict(api_key="wrong-key"), dict(api_key=API_KEY, model="no-such-model")):
+        with pytest.raises(agentspec.ModelLoadError, match="API key|does not serve"):
+            await agentspec.Client(base_url=server, **bad).start()
+    with pytest.raises(agentspec.InvalidRequestError, match="configure a local engine"):
+        agentspec.Client(base_url=server, device="cpu")
+
+
+async def test_langchain_on_the_server_equals_local(server, client):
+    langchain_agentspec = pytest.importorskip("langchain_agentspec", reason="the LangChain integration is not installed")
+    remote_llm = langchain_agentspec.ChatAgentSpec(base_url=server, api_key=API_KEY, max_tokens=16)
+    message = await remote_llm.ainvoke(QUESTION[0]["content"])
+    assert message.content == (await client.generate(QUESTION, max_tokens=16)).text
+    assert message.usage_metadata["output_tokens"] > 0
 
 
 def test_wire_collects_and_streams_parallel_calls():

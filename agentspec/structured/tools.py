@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from .grammar import schema_regex
 from ..types import ToolCall, ToolCallDelta
 
-__all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser"]
+__all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser", "CallAssembler"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; a name never needs JSON escaping
 NAME_PREFIX = '{"name":"'
@@ -167,3 +167,60 @@ class ToolCallParser:
             return []
         fragment, call.sent = arguments[call.sent :], len(arguments)
         return [ToolCallDelta(index=call.index, arguments=fragment)]
+
+
+class CallAssembler:
+    """A server's streamed call fragments in, the same call events as ``ToolCallParser`` out.
+
+    Servers repeat ``id``/``name`` or send them late; events carry them once, in an index's first
+    delta (held back until the name is known). ``finish`` parses each call's arguments and checks
+    them against its tool's schema: a server without guided decoding can write anything.
+    """
+
+    def __init__(self, tools: tuple[ToolSpec, ...]) -> None:
+        self._tools = {tool.name: tool for tool in tools}
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def feed(self, index: int, id: str | None, name: str | None, arguments: str) -> list[ToolCallDelta]:
+        call = self._calls.setdefault(index, {"id": None, "name": None, "arguments": "", "sent": 0, "opened": False})
+        call["id"] = call["id"] or id
+        call["name"] = call["name"] or name
+        call["arguments"] += arguments
+        if call["name"] is None:
+            return []
+        events: list[ToolCallDelta] = []
+        if not call["opened"]:
+            call["opened"] = True
+            call["id"] = call["id"] or f"call_{uuid.uuid4().hex[:24]}"
+            events.append(ToolCallDelta(index=index, id=call["id"], name=call["name"], arguments=""))
+        if len(call["arguments"]) > call["sent"]:
+            events.append(ToolCallDelta(index=index, arguments=call["arguments"][call["sent"] :]))
+            call["sent"] = len(call["arguments"])
+        return events
+
+    @property
+    def calls(self) -> int:
+        return len(self._calls)
+
+    def finish(self) -> list[ToolCall]:
+        """The complete calls, in index order. Raises ``ValueError`` naming the call that is not a
+        valid call of one of the tools."""
+        import jsonschema  # the remote extra's dependency; only remote replies come here
+
+        done: list[ToolCall] = []
+        for index in sorted(self._calls):
+            call = self._calls[index]
+            name = call["name"]
+            tool = self._tools.get(name)
+            if tool is None:
+                raise ValueError(f"tool call {index} names {name!r}, which is not one of the tools: {', '.join(self._tools)}")
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+                jsonschema.validate(arguments, tool.parameters)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                message = getattr(exc, "message", None) or str(exc)
+                raise ValueError(f"tool call {index} ({name!r}) has arguments that do not match the tool's schema: {message}") from None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool call {index} ({name!r}) has arguments that are not a JSON object: {call['arguments']!r}")
+            done.append(ToolCall(index=index, id=call["id"], name=name, arguments=arguments))
+        return done

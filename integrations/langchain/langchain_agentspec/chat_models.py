@@ -34,6 +34,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import SecretStr
 
 from agentspec.bridge import ClientKey, backend
 
@@ -89,7 +90,13 @@ class ChatAgentSpec(BaseChatModel):
     """
 
     model: str | None = None
-    """A local HF folder, a ``.gguf`` file or a cached hub id; None = the embedded default model."""
+    """A local HF folder, a ``.gguf`` file or a cached hub id; None = the embedded default model.
+    With ``base_url``: the server's model id (None = the first it lists)."""
+    base_url: str | None = None
+    """An OpenAI-compatible server (``agentspec serve``, vLLM, SGLang) to run on instead of this process,
+    e.g. ``"http://127.0.0.1:8000/v1"``."""
+    api_key: SecretStr | None = None
+    """The server's API key (default: the ``AGENTSPEC_API_KEY`` environment variable, or none)."""
     device: str = "auto"
     dtype: str = "auto"
     max_tokens: int | None = None
@@ -130,7 +137,8 @@ class ChatAgentSpec(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "device": self.device, "dtype": self.dtype, **self._default_params}
+        where = {"base_url": self.base_url} if self.base_url is not None else {"device": self.device, "dtype": self.dtype}
+        return {"model": self.model_name, **where, **self._default_params}
 
     def _resolve_model_profile(self) -> ModelProfile | None:
         return ModelProfile(
@@ -168,7 +176,11 @@ class ChatAgentSpec(BaseChatModel):
         model = params.pop("model", None) or self.model  # a per-call override selects another shared client
         if stop is not None:
             params["stop"] = stop
-        return ClientKey(model, self.device, self.dtype), convert_to_openai_messages(messages), params
+        return self._client_key(model), convert_to_openai_messages(messages), params
+
+    def _client_key(self, model: str | None) -> ClientKey:
+        api_key = self.api_key.get_secret_value() if self.api_key is not None else None
+        return ClientKey(model, self.device, self.dtype, self.base_url, api_key)
 
     def _stream(
         self,

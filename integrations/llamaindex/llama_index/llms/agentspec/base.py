@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW, DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -61,6 +61,8 @@ class AgentSpecLLM(FunctionCallingLLM):
     """
 
     model: str | None = Field(default=None, description="None = agentspec's embedded default; else a local folder, .gguf file or cached hub id.")
+    base_url: str | None = Field(default=None, description="An OpenAI-compatible server to run on (agentspec serve, vLLM, SGLang), e.g. 'http://127.0.0.1:8000/v1'; `model` is then its model id.")
+    api_key: SecretStr | None = Field(default=None, description="The server's API key (default: the AGENTSPEC_API_KEY environment variable, or none).")
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', ...")
     dtype: str = Field(default="auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy (reproducible tool calls).")
@@ -78,7 +80,8 @@ class AgentSpecLLM(FunctionCallingLLM):
 
     @property
     def _key(self) -> ClientKey:
-        return ClientKey(None if self.model is None else str(self.model), str(self.device), str(self.dtype))
+        api_key = self.api_key.get_secret_value() if self.api_key is not None else None
+        return ClientKey(None if self.model is None else str(self.model), str(self.device), str(self.dtype), self.base_url, api_key)
 
     def client(self) -> agentspec.Client:
         """The shared, started ``agentspec.Client`` (loads the model on first use; blocking).
@@ -91,7 +94,8 @@ class AgentSpecLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         if self.context_window is None and self._context_window is None:
-            self._context_window = self.client().loaded.context_window
+            # a server does not say its context window: set `context_window` for a remote model
+            self._context_window = DEFAULT_CONTEXT_WINDOW if self.base_url is not None else self.client().loaded.context_window
         return LLMMetadata(
             context_window=self.context_window or self._context_window,
             num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,
