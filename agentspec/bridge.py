@@ -47,6 +47,10 @@ class ClientKey(NamedTuple):
     base_url: str | None = None
     api_key: str | None = None
 
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        shown = ("***" if name == "api_key" and value is not None else value for name, value in zip(self._fields, self))
+        return f"ClientKey({', '.join(f'{name}={value!r}' for name, value in zip(self._fields, shown))})"
+
     def client(self) -> Client:
         if self.base_url is not None:
             return Client(self.model, base_url=self.base_url, api_key=self.api_key)

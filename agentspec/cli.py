@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0, help="sample the agentspec rows at this temperature, seeded "
                        "(identical = token for token with agentspec plain); the greedy-only peers do not run")
     bench.add_argument("--concurrency", default=None, metavar="LEVELS", help="e.g. 1,2,4,8: concurrent requests per level; aggregate tok/s, TTFT, TPOT")
+    bench.add_argument("--base-url", default=None, metavar="URL", help="also run agentspec's rows on this OpenAI-compatible server "
+                       "(e.g. agentspec serve --prefix-cache-mb 0) and compare them with the embedded client's")
+    bench.add_argument("--api-key", default=None, help="the --base-url server's API key (default: $AGENTSPEC_API_KEY)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
     bench.add_argument("--plot", default=None, metavar="PNG", help="write the chart (needs matplotlib: pip install 'agentspec[bench]')")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs: pip install 'agentspec[serve]')")
@@ -117,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $AGENTSPEC_API_KEY)")
     serve.add_argument("--max-batch", type=int, default=Limits().max_batch, help="requests decoding at once, sharing each pass")
     serve.add_argument("--max-queued", type=int, default=Limits().max_queued, help="requests waiting or running before new ones get HTTP 429")
+    serve.add_argument("--prefix-cache-mb", type=float, default=Limits().prefix_cache_mb, help="keys/values kept for prefix reuse, MiB (0: off)")
     serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser
 

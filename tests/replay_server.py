@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
 import time
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+
+from agentspec.serve.run import AnnouncingServer
 
 MODELS = {"vllm-model": "vllm", "sglang-model": "sglang", "llamacpp-model": "llamacpp", "plain-model": "someone-else"}
 FORMATS = ("vllm", "sglang", "llamacpp")  # an owner not listed here gets the plain format
@@ -261,27 +261,6 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, printing a ready line once listening; SIGTERM/SIGINT end it with exit code 0."""
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(f"replay server ready at http://{host}:{port}/v1", flush=True)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # uvicorn's own re-raises the signal after shutting down
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (the ready line names it)")
@@ -289,7 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     config = uvicorn.Config(create_app(args.api_key), host="127.0.0.1", port=args.port, log_level="warning", access_log=False,
                             lifespan="off", timeout_graceful_shutdown=2)
-    asyncio.run(_Server(config).serve())
+    asyncio.run(AnnouncingServer(config, "replay server ready at {url}").serve())
 
 
 if __name__ == "__main__":

@@ -395,6 +395,16 @@ async def test_remote_errors_are_typed_and_the_client_keeps_serving(remote, serv
         agentspec.Client(base_url=server, device="cpu")
 
 
+async def test_bench_rows_compare_the_server_with_the_embedded_client(remote, client):
+    from agentspec.bench.remote import run_remote_bench
+    from agentspec.bench.workloads import workload
+
+    [row] = await run_remote_bench(client, remote, [workload("document_answer")], max_tokens=12, repeats=1)
+    assert row.workload == "document_answer" and row.tokens > 0 and row.same_text
+    assert row.embedded_tokens_per_s > 0 and row.remote_tokens_per_s > 0
+    assert row.ratio == pytest.approx(row.remote_tokens_per_s / row.embedded_tokens_per_s, rel=0.01)
+
+
 async def test_langchain_on_the_server_equals_local(server, client):
     langchain_agentspec = pytest.importorskip("langchain_agentspec", reason="the LangChain integration is not installed")
     remote_llm = langchain_agentspec.ChatAgentSpec(base_url=server, api_key=API_KEY, max_tokens=16)

@@ -19,8 +19,10 @@ from typing import Any, Callable
 from ..client import Client
 from .llamacpp import LLAMACPP_SYSTEMS
 from .llamacpp import unavailable as llamacpp_unavailable
+from ..types import SpecConfig
 from .load import format_load_table, run_concurrency, second_turn_ttft
 from .plot import write_bench_plot, write_load_plot
+from .remote import REMOTE_SOURCES, format_remote_table, run_remote_bench
 from .single import format_table, ngram_oracle_speedup, run_bench, suffix_gain
 from .systems import SYSTEMS, applies, parse_system
 from .workloads import WORKLOADS, Workload, load_workloads, workload
@@ -59,6 +61,8 @@ async def main(args: Any) -> int:
         raise SystemExit(str(exc)) from None
     async with Client(args.model, device=args.device, draft=args.draft, weights=args.weights) as client:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
+        if args.base_url:
+            return await _remote_main(client, args, selected)
         if args.concurrency:
             return await _load_main(client, args, selected)
         if args.temperature and any(not s.startswith("agentspec") for s in systems):
@@ -96,14 +100,49 @@ async def main(args: Any) -> int:
     return 0
 
 
+async def _remote_main(local: Client, args: Any, selected: list[Workload]) -> int:
+    """``--base-url``: the embedded client against the same requests on the server; with
+    ``--concurrency``, the load rows on the server."""
+    async with Client(base_url=args.base_url, api_key=args.api_key) as remote:
+        print(f"server {args.base_url} ({remote.backend.name}), model {remote.backend.model}", flush=True)
+        if args.concurrency:
+            levels = _levels(args.concurrency, limit=256)
+            open_workloads = [w for w in selected if not w.constrained] or selected
+            load_rows = await run_concurrency(
+                remote, levels, open_workloads, max_tokens=args.max_tokens or 64, repeats=args.repeats, speculation=SpecConfig(sources=REMOTE_SOURCES),
+                on_row=lambda r: print(f"  {r.system:<16} x{r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True),
+            )
+            print()
+            print(format_load_table(load_rows))
+            _save(args, load_rows, write_load_plot, f"{remote.backend.model} on {args.base_url}")
+            return 0
+        rows = await run_remote_bench(
+            local, remote, selected, max_tokens=args.max_tokens, repeats=args.repeats,
+            on_row=lambda r: print(f"  {r.workload:<16} embedded {r.embedded_tokens_per_s:7.1f}  remote {r.remote_tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True),
+        )
+    print()
+    print(format_remote_table(rows))
+    if any(r.server_cached_prompt_tokens for r in rows):
+        print("the server reused cached prompts (start it with --prefix-cache-mb 0 for rows comparable with the embedded client's)")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        print(f"\nrows written to {args.json}")
+    return 0
+
+
+def _levels(text: str, *, limit: int) -> list[int]:
+    try:
+        levels = sorted({int(n) for n in text.split(",")})
+    except ValueError:
+        raise SystemExit(f"--concurrency takes comma-separated integers, got {text!r}") from None
+    if not levels or levels[0] < 1 or levels[-1] > limit:
+        raise SystemExit(f"--concurrency levels must be between 1 and the client's max_batch ({limit})")
+    return levels
+
+
 async def _load_main(client: Client, args: Any, selected: list[Workload]) -> int:
     """``--concurrency``: aggregate throughput, TTFT and TPOT per level; then second-turn TTFT."""
-    try:
-        levels = sorted({int(n) for n in args.concurrency.split(",")})
-    except ValueError:
-        raise SystemExit(f"--concurrency takes comma-separated integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or levels[-1] > client.limits.max_batch:
-        raise SystemExit(f"--concurrency levels must be between 1 and the client's max_batch ({client.limits.max_batch})")
+    levels = _levels(args.concurrency, limit=client.limits.max_batch)
     open_workloads = [w for w in selected if not w.constrained] or selected
     rows = await run_concurrency(
         client, levels, open_workloads, max_tokens=args.max_tokens or 64, repeats=args.repeats,

@@ -39,7 +39,8 @@ __all__ = ["LLAMACPP_SYSTEMS", "PROMPT_LOOKUP_TOKENS", "unavailable", "llamacpp_
 LLAMACPP_SYSTEMS = ("llamacpp", "llamacpp_prompt_lookup")
 PROMPT_LOOKUP_TOKENS = 10  # as transformers' prompt lookup row
 CONTEXT = 4096
-INSTALL = "make bench, or: CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-tile -DCMAKE_CXX_FLAGS=-mno-amx-tile' pip install llama-cpp-python"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC 12's AMX kernels die with SIGILL on Sapphire Rapids (as in the Makefile)
+INSTALL = f"make bench, or: CMAKE_ARGS='-DCMAKE_C_FLAGS=\"{NO_AMX}\" -DCMAKE_CXX_FLAGS=\"{NO_AMX}\"' pip install 'llama-cpp-python[server]==0.3.36'"
 
 
 def _gguf_path(client: Client) -> Path | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..client import Client
-from ..types import Completion
+from ..types import Completion, SpecConfig
 from .workloads import Workload
 
 __all__ = ["LoadRow", "run_concurrency", "second_turn_ttft", "format_load_table"]
@@ -52,11 +52,15 @@ async def run_concurrency(
     repeats: int = 1,
     rounds: int = 3,
     systems: Sequence[str] = ("agentspec_plain", "agentspec"),
+    speculation: SpecConfig | None = None,
     on_row: Callable[[LoadRow], None] = lambda row: None,
 ) -> list[LoadRow]:
+    """``speculation``: the "agentspec" rows' settings (default: the client's). A client on a server
+    (``base_url``) cannot clear the server's caches: give it sources without the suffix cache."""
     rows: list[LoadRow] = []
+    clear = client.clear_caches if client.base_url is None else _nothing
     for system in systems:
-        speculative = system == "agentspec"
+        speculative: SpecConfig | bool = (speculation or True) if system == "agentspec" else False
         await client.generate(workloads[0].messages, max_tokens=8, speculative=speculative)  # warm-up
         base: float | None = None
         for n in levels:
@@ -65,18 +69,18 @@ async def run_concurrency(
 
             async def one(w: Workload) -> Completion:
                 async with in_flight:
-                    await client.clear_caches()  # the same prompts come round again: no replays, cold prefills
+                    await clear()  # the same prompts come round again: no replays, cold prefills
                     return await client.generate(w.messages, max_tokens=max_tokens, speculative=speculative, **w.params)
 
             timings, results = [], []
             for _ in range(repeats):
-                await client.clear_caches()
+                await clear()
                 started = time.perf_counter()
                 results = await asyncio.gather(*(one(w) for w in batch))
                 timings.append(time.perf_counter() - started)
             seconds = statistics.median(timings)
-            tokens = sum(r.usage.completion_tokens for r in results)
-            passes = sum(r.stats.target_forward_passes for r in results)
+            tokens = sum(r.usage.completion_tokens or 0 for r in results)
+            passes = [r.stats.target_forward_passes for r in results]  # None: a server that does not say
             row = LoadRow(
                 concurrency=n,
                 system=system,
@@ -84,15 +88,24 @@ async def run_concurrency(
                 tokens=tokens,
                 seconds=round(seconds, 4),
                 tokens_per_s=round(tokens / seconds, 2),
-                ttft_ms=round(statistics.mean(r.stats.ttft_ms for r in results), 1),
-                tpot_ms=round(statistics.mean(r.stats.tpot_ms for r in results), 1),
-                tokens_per_pass=round(tokens / passes, 2) if passes else 0.0,
+                ttft_ms=round(_mean([r.stats.ttft_ms for r in results]), 1),
+                tpot_ms=round(_mean([r.stats.tpot_ms for r in results]), 1),
+                tokens_per_pass=round(tokens / sum(passes), 2) if None not in passes and sum(passes) else 0.0,
             )
             base = base or row.tokens_per_s
             row.scaling = round(row.tokens_per_s / base, 2)
             rows.append(row)
             on_row(row)
     return rows
+
+
+def _mean(values: list[float | None]) -> float:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else 0.0
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def second_turn_ttft(client: Client, work: Workload, *, repeats: int = 3) -> tuple[float, float]:

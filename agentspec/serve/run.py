@@ -21,15 +21,16 @@ from ..client import Client
 from ..types import Limits
 from .app import create_app
 
-__all__ = ["serve", "main", "API_KEY_ENV"]
+__all__ = ["serve", "main", "API_KEY_ENV", "AnnouncingServer"]
 
 API_KEY_ENV = "AGENTSPEC_API_KEY"
 SHUTDOWN_GRACE_S = 5
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, printing a ready line once listening, and leaving signals to this process."""
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server, printing ``announce`` (with ``{url}``: its base URL) once listening; SIGINT/SIGTERM
+    end it cleanly (exit code 0), and ``serve`` returns to its caller."""
 
     def __init__(self, config: uvicorn.Config, announce: str) -> None:
         super().__init__(config)
@@ -83,7 +84,7 @@ async def serve(
             app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
         )
         key = "API key required" if api_key else "no API key"
-        await _Server(config, f"agentspec serve: {name} on {client.loaded.device}, ready at {{url}} ({key})").serve()
+        await AnnouncingServer(config, f"agentspec serve: {name} on {client.loaded.device}, ready at {{url}} ({key})").serve()
 
 
 async def main(args: Any) -> int:
@@ -102,7 +103,7 @@ async def main(args: Any) -> int:
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,
-        limits=Limits(max_batch=args.max_batch, max_queued=args.max_queued),
+        limits=Limits(max_batch=args.max_batch, max_queued=args.max_queued, prefix_cache_mb=args.prefix_cache_mb),
         log_level=args.log_level,
     )
     return 0

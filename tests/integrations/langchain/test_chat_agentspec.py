@@ -201,7 +201,10 @@ def test_messages_become_openai_dicts() -> None:
         ToolMessage("sunny", tool_call_id="call_1"),
     ]
     key, converted, params = llm._request(messages, None, {"max_tokens": 5})
-    assert key == ("some/model", "auto", "auto")
+    assert key == ClientKey("some/model", "auto", "auto")
+    remote = ChatAgentSpec(model="served", base_url="http://127.0.0.1:9/v1", api_key="secret-key-123")
+    assert remote._request(messages, None, {})[0] == ClientKey("served", base_url="http://127.0.0.1:9/v1", api_key="secret-key-123")
+    assert "secret-key-123" not in repr(remote)  # the key is a secret
     assert params == {"temperature": 0.3, "stop": ["x"], "max_tokens": 5}
     assert [m["role"] for m in converted] == ["system", "user", "assistant", "tool"]
     assert converted[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
