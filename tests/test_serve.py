@@ -405,12 +405,15 @@ async def test_bench_rows_compare_the_server_with_the_embedded_client(remote, cl
     assert row.ratio == pytest.approx(row.remote_tokens_per_s / row.embedded_tokens_per_s, rel=0.01)
 
 
-async def test_langchain_on_the_server_equals_local(server, client):
+async def test_integrations_on_the_server_equal_local(server, client):
+    """LangChain's and LlamaIndex's models with ``base_url``: the same greedy text as the embedded client."""
     langchain_agentspec = pytest.importorskip("langchain_agentspec", reason="the LangChain integration is not installed")
-    remote_llm = langchain_agentspec.ChatAgentSpec(base_url=server, api_key=API_KEY, max_tokens=16)
-    message = await remote_llm.ainvoke(QUESTION[0]["content"])
-    assert message.content == (await client.generate(QUESTION, max_tokens=16)).text
-    assert message.usage_metadata["output_tokens"] > 0
+    llamaindex_agentspec = pytest.importorskip("llama_index.llms.agentspec", reason="the LlamaIndex integration is not installed")
+    local = (await client.generate(QUESTION, max_tokens=16)).text
+    message = await langchain_agentspec.ChatAgentSpec(base_url=server, api_key=API_KEY, max_tokens=16).ainvoke(QUESTION[0]["content"])
+    assert message.content == local and message.usage_metadata["output_tokens"] > 0
+    llm = llamaindex_agentspec.AgentSpecLLM(base_url=server, api_key=API_KEY, max_tokens=16)
+    assert (await llm.acomplete(QUESTION[0]["content"])).text == local
 
 
 def test_wire_collects_and_streams_parallel_calls():
