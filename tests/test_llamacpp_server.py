@@ -96,3 +96,11 @@ async def test_cancelled_stream_leaves_the_client_serving(remote):
     follow_up = await remote.generate([{"role": "user", "content": "Say hi."}], max_tokens=4)
     assert follow_up.text and follow_up.finish_reason in ("stop", "length")
     assert time.monotonic() - started < 60  # a hang guard, not a speed assertion
+
+
+async def test_langchain_on_a_server_without_usage(server):
+    langchain_agentspec = pytest.importorskip("langchain_agentspec", reason="the LangChain integration is not installed")
+    message = await langchain_agentspec.ChatAgentSpec(base_url=server, max_tokens=8).ainvoke("What is the capital of France?")
+    assert message.content.strip()
+    assert message.usage_metadata is None  # the server reports none: not zeros
+    assert message.response_metadata["finish_reason"] in ("stop", "length")

@@ -70,10 +70,9 @@ def _chunk(event: Any, model_name: str) -> ChatGenerationChunk | None:
         call = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
         return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[call]))
     if isinstance(event, agentspec.Done):
-        usage = UsageMetadata(
-            input_tokens=event.usage.prompt_tokens,
-            output_tokens=event.usage.completion_tokens,
-            total_tokens=event.usage.total_tokens,
+        counts = (event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.total_tokens)
+        usage = (  # a server that reports no usage (Client(base_url=...)): none, rather than zeros
+            UsageMetadata(input_tokens=counts[0], output_tokens=counts[1], total_tokens=counts[2]) if None not in counts else None
         )
         metadata = {"finish_reason": event.finish_reason, "model_name": model_name, "spec_stats": event.stats.model_dump()}
         message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
