@@ -160,8 +160,9 @@ def _check_model_options(model: Any, device: Any, dtype: Any, weights: Any) -> N
         raise InvalidRequestError(f"Unknown `weights` {weights!r}; use one of {', '.join(map(repr, WEIGHTS))}.")
 
 
-
 def _check_remote_options(base_url: Any, api_key: Any, server_timeout: Any, local: dict[str, Any]) -> None:
+    """Reject a malformed server address, key or timeout, and local-engine options (``local``: name →
+    (value, default)) given with ``base_url``, before anything connects."""
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
         raise InvalidRequestError(f"`base_url` must be an http(s) URL such as 'http://127.0.0.1:8000/v1', got {base_url!r}.")
     if api_key is not None and not isinstance(api_key, str):

@@ -101,7 +101,10 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
     assert threshold(1) < 1.0
     many = threshold(96)
     assert 0.9 * crossover <= many <= (1 + crossover) / 2  # 96 sequences draft only past the crossover
-    assert drafted(96, many - 0.01) == 0 < drafted(96, many)
+    if many < 1.0:
+        assert drafted(96, many - 0.01) == 0 < drafted(96, many)
+    else:  # calibration measured no cost per sequence (it happens here): a crowded pass never pays for a draft
+        assert crossover > 0.98 and drafted(96, 0.99) == 0
 
 
 def test_batch_lengths_match_brute_force_on_small_cases():
