@@ -14,8 +14,9 @@ Cancellation: closing either iterator (break, ``aclose()``, a cancelled consumer
 collection of an abandoned generator) cancels the request's task on the background loop, which
 closes the agentspec stream, which stops decoding before the engine's next step.
 
-Clients are shared per ``ClientKey`` (model, device, dtype; or a server's base_url and key) across every integration in the process:
-the weights load once and one engine worker serves them all. Nothing starts until first use.
+Clients are shared per ``ClientKey`` (model, device, dtype; or a server's base_url and key) across
+every integration in the process: the weights load once and one engine worker serves them all.
+Nothing starts until first use.
 """
 
 from __future__ import annotations
