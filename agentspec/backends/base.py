@@ -59,8 +59,8 @@ class Step:
 
 class BackendStream(Protocol):
     """One request in a backend. ``submit`` starts it; ``receive`` returns its next step or raises
-    the request's ``AgentSpecError`` (steps already received stand); ``cancel`` stops it (any thread,
-    idempotent, never blocks); ``aclose`` cancels and releases what it holds (a connection)."""
+    the request's ``AgentSpecError`` (steps already received stand); ``aclose`` stops it and releases
+    what it holds (idempotent). A stream dropped without ``aclose`` stops too (its finalizer)."""
 
     @property
     def request_id(self) -> str: ...
@@ -68,8 +68,6 @@ class BackendStream(Protocol):
     async def submit(self) -> None: ...
 
     async def receive(self) -> Step: ...
-
-    def cancel(self) -> None: ...
 
     async def aclose(self) -> None: ...
 

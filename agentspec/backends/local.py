@@ -91,12 +91,9 @@ class LocalStream:
         stats = seq.stats.model_copy(deep=True)
         return Step(output.text, tuple(output.token_ids), output.is_call, finish_reason=output.finish_reason, usage=usage, stats=stats)
 
-    def cancel(self) -> None:
+    async def aclose(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
-
-    async def aclose(self) -> None:
-        self.cancel()
 
 
 class LocalBackend:

@@ -334,13 +334,6 @@ class RemoteStream:
         self._backend.record(stats, self._params.tag)
         return Step(finish_reason=self._finish, usage=usage or UNKNOWN_USAGE, stats=stats)
 
-    def cancel(self) -> None:
-        if self._response is not None:
-            try:
-                _close_soon(asyncio.get_running_loop(), self._response)
-            except RuntimeError:  # no running loop: the finalizer's job
-                pass
-
     async def aclose(self) -> None:
         response, self._response = self._response, None
         if response is not None:
