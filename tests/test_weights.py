@@ -127,6 +127,36 @@ def test_fused_pass_gives_the_models_logits(loaded):
         assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
 
 
+@pytest.mark.parametrize("weights", ["fused", "onednn"])
+@torch.inference_mode()
+def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
+    """Item 4 of the fast-pass issue: the same token at the same place gets the same logits, bit for
+    bit, as a lone plain step, as any position of a verification, and beside other sequences — on
+    the kernels the engine runs by default. Otherwise a verification could accept what plain
+    decoding would not write."""
+    if weights == "onednn" and onednn_supported(loaded.model) is not None:
+        pytest.skip(f"oneDNN weights cannot run here: {onednn_supported(loaded.model)}")
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    use_packed_attention(model)
+    forward = FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear) if weights == "fused" else functools.partial(forward_packed, with_onednn_linears(model))
+    prompt, text = list(range(2000, 2060)), [17, 912, 4410, 29, 318, 77, 1043, 5, 880]
+    block = KVBlock(layout)
+    forward([PackedRow(block, prompt, 1)])
+    alone = []  # each position as a lone plain step
+    for token in text:
+        alone.append(forward([PackedRow(block, [token], 1)])[0][0])
+    for k in (2, 4, 8, 9):  # the same positions as one verification of k
+        block.length = len(prompt)
+        rows = forward([PackedRow(block, text[:k], k)])[0]
+        for i in range(k):
+            assert torch.equal(rows[i], alone[i]), (k, i)
+    others = [KVBlock(layout) for _ in range(3)]
+    forward([PackedRow(b, list(range(300 + 7 * j, 340 + 7 * j)), 1) for j, b in enumerate(others)])
+    block.length = len(prompt)
+    batch = forward([PackedRow(others[0], [5], 1), PackedRow(block, text[:4], 4), PackedRow(others[1], [6, 7], 2), PackedRow(others[2], [8], 1)])
+    assert all(torch.equal(batch[1][i], alone[i]) for i in range(4))
+
+
 def test_client_rejects_unknown_weights_before_loading():
     with pytest.raises(InvalidRequestError, match="Unknown `weights` 'int4'.*'auto', 'eager', 'onednn', 'fused'"):
         agentspec.Client(weights="int4")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kv import KVBlock, KVLayout
 
@@ -136,10 +137,23 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
             positions = torch.arange(new, device=query.device) + seg.past
             keys_at = torch.arange(end, device=query.device)
             mask = ((keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - window)).repeat(groups, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        out = _sdpa(q, keys, values, mask, scaling)
         outputs.append(out.reshape(1, heads, new, head_dim))
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return attn.transpose(1, 2).contiguous()
+
+
+def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """Scaled dot-product attention whose result for a query does not depend on how many queries
+    share the call. On a CPU in float32, torch's fused (flash) kernel blocks queries by their number
+    (measured: a query's output changes once a call has 4 or more positions), so there the math
+    kernel runs: every pass shape then rounds a position alike, as verification needs
+    (``tests/test_weights.py``), at no measurable cost for a small model. Elsewhere (CUDA, reduced
+    precision: not the default on a CPU) the fused kernel runs as it is."""
+    if query.device.type == "cpu" and query.dtype == torch.float32:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
 
 
 class _PackedCache:

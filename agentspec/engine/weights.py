@@ -105,9 +105,21 @@ def with_onednn_linears(model: Any) -> Any:
 
 
 def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``."""
+    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``.
+
+    A lone row runs as two (itself twice): on AVX-512 CPUs oneDNN computes a 1-row product with
+    another reduction order than a product of 2 or more rows (measured here for 1536 inputs: the
+    MLP's down projection), so without this a plain step and a verification would round a row
+    differently. From 2 rows on the result of a row depends neither on how many share the call nor
+    on its place (``tests/test_weights.py``); the second row costs next to nothing."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return product
 
 
 def torch_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
