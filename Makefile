@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench draft-head clean
 
 $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ LLAMA_CPP ?= llama-cpp-python[server]==0.3.36
 bench: $(STAMP)
 	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS='-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' $(BIN)/python -m pip install "$(LLAMA_CPP)"
 	$(BIN)/agentspec bench --json bench.json
+
+# The draft head shipped for the default model (used by default; agentspec/heads/): the model's own
+# answers to examples/draft_traffic.jsonl (agent-style requests written for this, disjoint from the
+# bench's and the tests'), self-distilled by `agentspec train-draft`.
+HEAD_DIR := agentspec/heads/smollm2-135m-instruct
+
+draft-head: $(STAMP)
+	$(BIN)/agentspec train-draft --prompts examples/draft_traffic.jsonl --out $(HEAD_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,9 +1,11 @@
-"""The ``agentspec`` command: ``demo``, ``chat``, ``bench`` and ``serve``."""
+"""The ``agentspec`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``train-draft``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import sys
 import time
 from typing import Any
@@ -97,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, metavar="JSONL", help='your own requests instead: one {"name", "messages" or "prompt", "max_tokens", "params"} per line')
     bench.add_argument("--systems", default="", help="comma-separated: hf_plain, hf_prompt_lookup, outlines, agentspec_plain, agentspec, "
                        "or agentspec[S+...] drafting from sources S in grammar, ngram, suffix, model (default: peers, each source, all)")
-    bench.add_argument("--draft", default=None, help="a draft model for agentspec (a reference or early-exit:N): adds the model source")
+    bench.add_argument("--draft", default=None, help="agentspec's model source: a draft model (a reference or early-exit:N), head:DIR, or none "
+                       "(default: the draft head shipped for the model, if any)")
     bench.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     bench.add_argument("--repeats", type=int, default=1, help="timed runs per cell (median reported)")
     bench.add_argument("--temperature", type=float, default=0.0, help="sample the agentspec rows at this temperature, seeded "
@@ -111,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs: pip install 'agentspec[serve]')")
     serve.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None, help="the model id callers send (default: the loaded model's name)")
-    serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N)")
+    serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N), head:DIR, or none (default: the shipped head, if any)")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     serve.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     serve.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass's linear kernels (auto: the fastest measured here)")
@@ -122,11 +125,37 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued", type=int, default=Limits().max_queued, help="requests waiting or running before new ones get HTTP 429")
     serve.add_argument("--prefix-cache-mb", type=float, default=Limits().prefix_cache_mb, help="keys/values kept for prefix reuse, MiB (0: off)")
     serve.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    train = sub.add_parser("train-draft", help="train a draft head on the target's answers to your traffic")
+    train.add_argument("--prompts", required=True, metavar="JSONL", help='requests, one {"messages", "tools"?, "tool_choice"?, "response_format"?, "max_tokens"?} per line')
+    train.add_argument("--out", required=True, metavar="DIR", help="folder to write head.safetensors and head.json to; use it as Client(draft='head:DIR')")
+    train.add_argument("--model", default=None, help="the target: local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
+    train.add_argument("--epochs", type=int, default=4, help="passes over the training answers")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can draft: the most frequent in the answers")
+    train.add_argument("--held-out", type=float, default=0.1, help="share of requests held out to measure the head")
+    train.add_argument("--concurrency", type=int, default=8, help="requests the target answers at once")
+    train.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _train_draft(args: Any) -> int:
+    from .drafting.train import train_draft_head
+
+    report = train_draft_head(
+        args.prompts, args.out, model=args.model, epochs=args.epochs, draft_vocab=args.draft_vocab,
+        held_out=args.held_out, concurrency=args.concurrency, seed=args.seed,
+    )  # fmt: skip
+    print(json.dumps(dataclasses.asdict(report), indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "train-draft":  # blocking, with its own event loop
+        try:
+            return _train_draft(args)
+        except AgentSpecError as exc:
+            print(f"agentspec: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     if args.command == "demo":
         runner = _demo
     elif args.command == "chat":

@@ -304,9 +304,11 @@ def suffix_gain(rows: list[BenchRow]) -> list[tuple[str, BenchRow, BenchRow]]:
     by_key = {(r.workload, r.system): r for r in rows}
     gains = []
     for name in dict.fromkeys(r.workload for r in rows):
+        baselines: set[str] = set()
         for with_suffix, without in SUFFIX_PAIRS:
             a, b = by_key.get((name, with_suffix)), by_key.get((name, without))
-            if a is not None and b is not None and "suffix" in a.accepted_by_source:
+            if a is not None and b is not None and "suffix" in a.accepted_by_source and without not in baselines:
+                baselines.add(without)
                 gains.append((name, a, b))
     return gains
 

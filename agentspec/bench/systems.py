@@ -19,7 +19,10 @@ llama.cpp (where installed, on a GGUF model) everywhere but the agent loop, its 
 without a grammar;
 ``agentspec[grammar]`` only under a grammar, ``agentspec[suffix]`` only on the agent loop (every
 other timed request starts with the suffix cache cleared), ``agentspec[model]`` only with a draft
-model; a subset of sources only where it leaves out one that applies (else it is ``agentspec``).
+head or model (``Client(draft=...)``, or the head shipped for the model); a subset of sources only
+where it leaves out one that applies (else it is ``agentspec``): with a draft head, ``agentspec[ngram]``,
+``agentspec[grammar+ngram]`` and, on the agent loop, ``agentspec[grammar+ngram+suffix]`` are agentspec
+without it.
 """
 
 from __future__ import annotations
@@ -38,13 +41,19 @@ __all__ = ["PEERS", "SYSTEMS", "SUFFIX_PAIRS", "parse_system", "applicable_sourc
 
 PEERS = ("hf_plain", "hf_prompt_lookup", "outlines", *LLAMACPP_SYSTEMS, "agentspec_plain")
 # each source alone; what the suffix cache adds on the agent loop, to n-grams alone and to grammar +
-# n-grams (``suffix_gain``); all
-SUFFIX_PAIRS = (("agentspec[ngram+suffix]", "agentspec[ngram]"), ("agentspec", "agentspec[grammar+ngram]"))
+# n-grams (``suffix_gain``: the first pair that ran per baseline; with a draft head, "agentspec" holds
+# the head too); all
+SUFFIX_PAIRS = (
+    ("agentspec[ngram+suffix]", "agentspec[ngram]"),
+    ("agentspec[grammar+ngram+suffix]", "agentspec[grammar+ngram]"),
+    ("agentspec", "agentspec[grammar+ngram]"),
+)
 SYSTEMS = (
     *PEERS,
     *(f"agentspec[{source}]" for source in DRAFT_SOURCES),
     "agentspec[ngram+suffix]",
     "agentspec[grammar+ngram]",
+    "agentspec[grammar+ngram+suffix]",
     "agentspec",
 )
 
@@ -75,8 +84,13 @@ def applicable_sources(work: Workload, client: Client) -> tuple[str, ...]:
         if source == "ngram"
         or (source == "grammar" and work.constrained)
         or (source == "suffix" and work.is_loop)
-        or (source == "model" and client.draft is not None)
+        or (source == "model" and _has_model_source(client))
     )
+
+
+def _has_model_source(client: Client) -> bool:
+    """Whether the client drafts with a model: a draft head (given, or shipped) or a draft model."""
+    return client.backend.name == "local" and client.draft_sources.has_model
 
 
 def applies(system: str, work: Workload, client: Client) -> bool:

@@ -27,8 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .acceptance import AcceptanceModel, expected_tokens
 from .base import NO_DRAFT, Draft, Drafter, common_prefix
@@ -124,6 +123,17 @@ class ArbiterDrafter:
         self.by_source = self.history.acceptance  # per source: predicts a draft before running its source
         self.after = 0  # tokens another source (the grammar) drafted ahead this step
         self.chosen: str | None = None  # source of the last returned draft (for tests and logs)
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether a source reads the target's features (a draft head)."""
+        return any(getattr(source.drafter, "wants_features", False) for source in self.sources)
+
+    def observe_features(self, start: int, features: Any) -> None:
+        """The target's features of committed positions, for the sources that read them."""
+        for source in self.sources:
+            if getattr(source.drafter, "wants_features", False):
+                source.drafter.observe_features(start, features)  # type: ignore[attr-defined]
 
     def reset(self, prompt: Sequence[int]) -> None:
         for source in self.sources:

@@ -32,6 +32,7 @@ from ..sampling import position_keys, sample
 from .base import Draft, common_prefix
 
 __all__ = [
+    "DraftChooser",
     "EarlyExitModel",
     "ModelDrafter",
     "check_vocab_compatible",
@@ -39,6 +40,43 @@ __all__ = [
 ]
 
 CONFIDENCE_BUCKETS = 4  # evidence 1..4: the draft's own probability of its first token, in quarters
+
+
+class DraftChooser:
+    """Chooses draft tokens from a drafter's logits as the target will judge them: through the
+    request's logits processors (the same temperature, top-k, top-p, min-p and penalty), greedily or
+    with the request's noise at the drafted output position (``agentspec.sampling``), so under
+    sampling a draft token is accepted iff the target's draw picks it too (coupled sampling).
+
+    ``tokens``: the committed tokens (prompt + output observed so far).
+    """
+
+    def __init__(self, params: GenerationParams, vocab_size: int, device: torch.device, prompt: Sequence[int]) -> None:
+        self.params = params
+        self.tokens: list[int] = list(prompt)
+        self.prompt_length = len(self.tokens)  # output positions count from here (sampling noise)
+        self.pipeline = LogitsPipeline(params, vocab_size, device)
+        self.pipeline.observe(self.tokens)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        self.tokens.extend(committed)
+        self.pipeline.observe(committed)
+
+    def choose(self, logits: torch.Tensor, extra: list[int]) -> tuple[int, float]:
+        """The draft token after the committed tokens + ``extra`` from ``logits`` [V], and the
+        drafter's probability of it."""
+        # The pipeline's row i sees committed + extra[:i]; only the last row (all of extra) is used.
+        penalised = self.params.repetition_penalty != 1.0
+        rows = logits.expand(len(extra) + 1, -1) if penalised else logits[None]
+        prefix = extra if penalised else ()
+        if self.params.greedy:
+            token = int(self.pipeline.greedy(rows, prefix)[-1])
+            return token, float(logits.softmax(dim=-1)[token])
+        probs = self.pipeline.probs(rows, prefix)[-1:]  # [1, V]
+        position = len(self.tokens) - self.prompt_length + len(extra)  # the output position it drafts
+        keys = torch.tensor(position_keys(self.params.seed, [position]), dtype=torch.int32, device=probs.device)
+        token = int(sample(probs, keys)[0])
+        return token, float(probs[0, token])
 
 
 class ModelDrafter:
@@ -80,11 +118,13 @@ class ModelDrafter:
     def reset(self, prompt: Sequence[int]) -> None:
         """Forget everything; the prompt is fed on the first ``propose`` (lazy prefill)."""
         self.cache = DynamicCache()
-        self.tokens: list[int] = list(prompt)  # committed: prompt + output observed so far
-        self.prompt_length = len(self.tokens)  # output positions count from here (sampling noise)
+        self.chooser = DraftChooser(self.params, self.vocab_size, self.device, prompt)
         self.cached: list[int] = []  # the tokens whose keys/values are in `cache`, in order
-        self.pipeline = LogitsPipeline(self.params, self.vocab_size, self.device)
-        self.pipeline.observe(self.tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens: the prompt and the output observed so far."""
+        return self.chooser.tokens
 
     @torch.inference_mode()
     def propose(self, k: int, after: Sequence[int] = ()) -> Draft:
@@ -101,7 +141,7 @@ class ModelDrafter:
         tokens: list[int] = []
         evidence = 0
         for i in range(k):
-            token, confidence = self._choose(logits, extra)
+            token, confidence = self.chooser.choose(logits, extra)
             if i == 0:
                 evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
             elif confidence < self.min_confidence:
@@ -114,8 +154,7 @@ class ModelDrafter:
 
     def observe(self, committed: Sequence[int]) -> None:
         """Keep the speculative keys/values that were committed, drop the rest."""
-        self.tokens.extend(committed)
-        self.pipeline.observe(committed)
+        self.chooser.observe(committed)
         self._crop(common_prefix(self.cached, self.tokens))
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -136,21 +175,6 @@ class ModelDrafter:
         logits = self.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         self.cached.extend(tokens)
         return _fit_vocab(logits.float(), self.vocab_size)
-
-    def _choose(self, logits: torch.Tensor, extra: list[int]) -> tuple[int, float]:
-        """The draft token after committed + ``extra``, and the draft's probability of it."""
-        # The pipeline's row i sees committed + extra[:i]; only the last row (all of extra) is used.
-        rows = logits.expand(len(extra) + 1, -1) if self.params.repetition_penalty != 1.0 else logits[None]
-        prefix = extra if self.params.repetition_penalty != 1.0 else ()
-        if self.params.greedy:
-            token = int(self.pipeline.greedy(rows, prefix)[-1])
-            return token, float(logits.softmax(dim=-1)[token])
-        probs = self.pipeline.probs(rows, prefix)[-1:]  # [1, V]
-        position = len(self.tokens) - self.prompt_length + len(extra)  # the output position it drafts
-        keys = torch.tensor(position_keys(self.params.seed, [position]), dtype=torch.int32, device=probs.device)
-        token = int(sample(probs, keys)[0])
-        return token, float(probs[0, token])
-
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,21 +1,25 @@
 """The draft sources of one client, and the drafter each request gets from them.
 
 Every request drafts from n-grams of its own prompt and output. Two sources are shared by the
-client's requests: the suffix cache of earlier outputs (filled as requests finish) and, with
-``Client(draft=...)``, a draft model (a separate model, or ``"early-exit:N"``: the target's first N
-layers). As soon as more than one source can propose, an ``ArbiterDrafter`` picks per step the draft
-with the most expected tokens per millisecond; a request with only n-grams gets the n-gram drafter
-itself. Grammar-forced tokens come first in the engine and are never drafted by a model.
+client's requests: the suffix cache of earlier outputs (filled as requests finish) and a costly
+drafter of novel text: a trained draft head (``"head:PATH"``, or by default the head agentspec ships
+for the loaded target, when there is one), or with ``Client(draft=...)`` a draft model (a separate
+model, or ``"early-exit:N"``: the target's first N layers); ``draft="none"`` turns both off. As
+soon as more than one source can propose, an ``ArbiterDrafter`` picks per step the draft with the
+most expected tokens per millisecond; a request with only n-grams gets the n-gram drafter itself. Grammar-forced tokens come first in the engine and are never drafted by a model.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError, ModelLoadError
 from ..params import GenerationParams
 from .arbiter import ArbiterDrafter, SourceHistory
 from .base import Drafter
+from .head import HEAD_PREFIX, DraftHead, HeadDrafter, load_head, shipped_head
 from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
 from .ngram import ngram_drafter
 from .suffix import SuffixCache, SuffixDrafter
@@ -23,6 +27,9 @@ from .suffix import SuffixCache, SuffixDrafter
 __all__ = ["DraftSources", "check_draft_reference"]
 
 EARLY_EXIT = "early-exit:"
+NO_MODEL = "none"  # no draft model, not even the head shipped for the target
+
+log = logging.getLogger("agentspec.drafting")
 
 
 def check_draft_reference(draft: Any) -> None:
@@ -31,10 +38,12 @@ def check_draft_reference(draft: Any) -> None:
         return
     if not isinstance(draft, str) or not draft:
         raise InvalidRequestError(
-            f"`draft` must be None, a model reference (folder, .gguf file, cached hub id) or 'early-exit:N', got {draft!r}."
+            f"`draft` must be None, 'none', a model reference (folder, .gguf file, cached hub id), 'head:PATH' or 'early-exit:N', got {draft!r}."
         )
     if draft.startswith(EARLY_EXIT) and not draft[len(EARLY_EXIT) :].isdigit():
         raise InvalidRequestError(f"draft={draft!r}: write 'early-exit:N' with N the number of target layers to draft with, e.g. 'early-exit:8'.")
+    if draft.startswith(HEAD_PREFIX) and not draft[len(HEAD_PREFIX) :]:
+        raise InvalidRequestError(f"draft={draft!r}: write 'head:PATH' with PATH the folder `agentspec train-draft --out` wrote.")
 
 
 class DraftSources:
@@ -46,7 +55,19 @@ class DraftSources:
         self.suffixes = SuffixCache()
         self.history = SourceHistory()  # what requests measured about the draft model, for the next ones
         self.draft_model: Any = None
-        if draft is not None and draft.startswith(EARLY_EXIT):
+        self.head: DraftHead | None = None  # a trained draft head: given, or shipped for this target
+        self.head_path: Path | None = None
+        if draft is None:
+            self.head_path = shipped_head(loaded.model)
+            if self.head_path is not None:
+                self.head = load_head(self.head_path, loaded.model, loaded.name)
+                log.info("draft head: %s (shipped for %s)", self.head_path, loaded.name)
+        elif draft == NO_MODEL:
+            pass
+        elif draft.startswith(HEAD_PREFIX):
+            self.head_path = Path(draft[len(HEAD_PREFIX) :]).expanduser()
+            self.head = load_head(self.head_path, loaded.model, loaded.name)
+        elif draft.startswith(EARLY_EXIT):
             self.draft_model = EarlyExitModel(loaded.model, int(draft[len(EARLY_EXIT) :]))
         elif draft is not None:
             from ..model import load_model
@@ -56,6 +77,11 @@ class DraftSources:
                 raise ModelLoadError(f"The draft model loaded on {draft_loaded.device} but the target is on {loaded.device}.")
             check_vocab_compatible(loaded, draft_loaded)
             self.draft_model = draft_loaded.model
+
+    @property
+    def has_model(self) -> bool:
+        """Whether the ``"model"`` source drafts: a draft head or a draft model is loaded."""
+        return self.head is not None or self.draft_model is not None
 
     def drafter(self, params: GenerationParams) -> Drafter | None:
         """The request's drafter over the sources it allows (``SpecConfig.sources``) that can propose now."""
@@ -69,9 +95,11 @@ class DraftSources:
             sources.append(SuffixDrafter(self.suffixes))
         if "model" in spec.sources and self.draft_model is not None:
             sources.append(ModelDrafter(self.draft_model, params, self.loaded.vocab_size, self.loaded.device))
+        if "model" in spec.sources and self.head is not None:
+            sources.append(HeadDrafter(self.head, params, self.loaded.vocab_size))
         if not sources:
             return None
-        if len(sources) == 1 and not isinstance(sources[0], ModelDrafter):
+        if len(sources) == 1 and not isinstance(sources[0], (ModelDrafter, HeadDrafter)):
             return sources[0]
         # a model costs time to run: even alone, the arbiter runs it only when it is predicted to pay
         return ArbiterDrafter(sources, self.costs, history=self.history)

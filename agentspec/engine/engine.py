@@ -88,10 +88,15 @@ class Plan:
     def positions(self) -> int:
         return len(self.inputs) + len(self.draft.tokens) + self.pad
 
+    def committed_inputs(self, verdict: "Verdict | None") -> int:
+        """How many of this plan's positions hold committed tokens after its verdict: its inputs and
+        its accepted drafts (their features are the target's; the rest were rolled back)."""
+        return len(self.inputs) + (verdict[0] if verdict is not None else 0)
+
     def row(self) -> PackedRow:
         tokens = self.inputs + self.draft.tokens
         logits = 0 if self.kind is Kind.PREFILL else len(self.draft.tokens) + 1
-        return PackedRow(self.state.block, tokens + tokens[-1:] * self.pad, logits, self.pad)
+        return PackedRow(self.state.block, tokens + tokens[-1:] * self.pad, logits, self.pad, features=self.state.wants_features)
 
 
 class _Proposal(NamedTuple):
@@ -311,7 +316,9 @@ class Engine:
         try:
             if self.before_pass is not None:
                 self.before_pass([plan.state.seq for plan in plans])
-            logits = self.forward([plan.row() for plan in plans])  # 5. one pass
+            rows = [plan.row() for plan in plans]
+            starts = [plan.state.block.length for plan in plans]  # each row's first position
+            logits = self.forward(rows)  # 5. one pass
             self._sync()
         except Exception as exc:
             if len(plans) == 1:
@@ -325,11 +332,13 @@ class Engine:
         if all(plan.kind is Kind.DECODE for plan in plans):  # prompt tokens say nothing about verification cost
             self.costs.record(sum(plan.positions for plan in plans), pass_ms, segments=len(plans))
         verdicts = self._verify(plans, logits, results)  # 6. verify
-        for plan, verdict in zip(plans, verdicts):
+        for plan, verdict, row, start in zip(plans, verdicts, rows, starts):
             if results[plan.index] is not None:  # its logits pipeline failed
                 continue
             try:
-                results[plan.index] = self._commit(plan, verdict, pass_ms)  # 7. commit, 8. account
+                results[plan.index] = output = self._commit(plan, verdict, pass_ms)  # 7. commit, 8. account
+                if row.hidden is not None and output.finish_reason is None:  # a drafter reads the target's features
+                    plan.state.observe_features(start, row.hidden[: plan.committed_inputs(verdict)])
             except Exception as exc:
                 results[plan.index] = exc
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .packed import PackedRow, attend, finish_rows, pack_rows, store_kv
+from .packed import PackedRow, attend, finish_rows, pack_rows, store_kv, wants_features
 
 __all__ = ["FusedLlamaPass", "fused_unsupported", "FUSED_MODEL_TYPES"]
 
@@ -121,5 +121,8 @@ class FusedLlamaPass:
             hidden = hidden + layer.o(attention.reshape(tokens, q_size))
             gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2, layer.eps2))
             hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        if wants_features(rows):  # every token's normed hidden state, of which the kept ones get logits
+            normed = _rms_norm(hidden, self.norm, self.eps)
+            return finish_rows(rows, self.head(normed[inputs.keep]), normed)
         logits = self.head(_rms_norm(hidden[inputs.keep], self.norm, self.eps))
         return finish_rows(rows, logits)

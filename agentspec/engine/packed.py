@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kv import KVBlock, KVLayout
 
 __all__ = [
-    "PackedRow", "PackedInputs", "Segment", "pack_rows", "finish_rows", "store_kv", "attend",
+    "PackedRow", "PackedInputs", "Segment", "pack_rows", "finish_rows", "wants_features", "store_kv", "attend",
     "forward_packed", "check_packed", "use_packed_attention", "PACKED_ATTENTION", "PassFunction",
 ]
 
@@ -42,12 +42,18 @@ _local = threading.local()  # the packed pass running on this thread, if any
 @dataclass
 class PackedRow:
     """One sequence's part of a packed pass: its new tokens, how many positions before the last
-    ``pad`` ones need logits, and ``pad`` trailing filler positions (whose keys/values are dropped)."""
+    ``pad`` ones need logits, and ``pad`` trailing filler positions (whose keys/values are dropped).
+
+    features: ask the pass for the row's features — the final normed hidden states, what the LM
+    head reads — of all its new tokens; the pass leaves them [len(tokens), H] in ``hidden``.
+    """
 
     block: KVBlock
     tokens: list[int]
     logits: int
     pad: int = 0
+    features: bool = False
+    hidden: torch.Tensor | None = None
 
 
 class Segment:
@@ -101,11 +107,22 @@ def pack_rows(rows: Sequence[PackedRow], groups: int) -> PackedInputs:
     )
 
 
-def finish_rows(rows: Sequence[PackedRow], logits: torch.Tensor) -> list[torch.Tensor]:
-    """After a pass: advance each row's block by its tokens; split the kept logits by row."""
+def finish_rows(rows: Sequence[PackedRow], logits: torch.Tensor, normed: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """After a pass: advance each row's block by its tokens; split the kept logits by row; give the
+    rows that ask for features theirs from ``normed`` [T, H] (every token's final normed hidden)."""
+    start = 0
     for row in rows:
+        if row.features:
+            assert normed is not None, "this pass computed no features"
+            row.hidden = normed[start : start + len(row.tokens)]
+        start += len(row.tokens)
         row.block.length += len(row.tokens)
     return list(torch.split(logits, [row.logits for row in rows]))
+
+
+def wants_features(rows: Sequence[PackedRow]) -> bool:
+    """Whether any row asks for its features."""
+    return any(row.features for row in rows)
 
 
 def store_kv(segments: list[Segment], layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -235,6 +252,9 @@ def forward_packed(model: Any, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
     groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     inputs = pack_rows(rows, groups)
     _local.segments = inputs.segments
+    normed: list[torch.Tensor] = []
+    # The final norm's output over every token is what the LM head reads: the features.
+    hook = model.get_decoder().norm.register_forward_hook(lambda module, args, out: normed.append(out[0])) if wants_features(rows) else None
     try:
         logits = model(
             input_ids=inputs.input_ids,
@@ -245,7 +265,9 @@ def forward_packed(model: Any, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
         ).logits[0]
     finally:
         _local.segments = None
-    return finish_rows(rows, logits)
+        if hook is not None:
+            hook.remove()
+    return finish_rows(rows, logits, normed[0] if normed else None)
 
 
 @torch.inference_mode()

@@ -210,6 +210,21 @@ class SequenceState:
         seq.finish_reason = finish
         return StepOutput("".join(text), emitted, finish, self.is_call)
 
+    @property
+    def wants_features(self) -> bool:
+        """Whether the drafter reads the target's features (a draft head): the pass then keeps them."""
+        return bool(getattr(self.drafter, "wants_features", False))
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        """The target's features [n, H] of committed positions ``start`` .. ``start + n - 1``."""
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.observe_features(start, features)  # type: ignore[attr-defined]
+        except Exception:  # as a failed observe: decode the rest of this request plainly
+            log.exception("drafter %s failed to observe features; speculation off for this request", type(self.drafter).__name__)
+            self.drafter = None
+
     def _observe(self, committed: list[int]) -> None:
         if self.grammar is not None:
             self.grammar.observe(committed)
