@@ -42,7 +42,7 @@ bench: $(STAMP)
 HEAD_DIR := agentspec/heads/smollm2-135m-instruct
 
 draft-head: $(STAMP)
-	$(BIN)/agentspec train-draft --prompts examples/draft_traffic.jsonl --out $(HEAD_DIR)
+	$(BIN)/agentspec train-draft --prompts examples/draft_traffic.jsonl --samples 2 --epochs 8 --out $(HEAD_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

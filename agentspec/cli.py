@@ -133,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can draft: the most frequent in the answers")
     train.add_argument("--held-out", type=float, default=0.1, help="share of requests held out to measure the head")
     train.add_argument("--concurrency", type=int, default=8, help="requests the target answers at once")
+    train.add_argument("--samples", type=int, default=1, help="answers per request: one greedy, the others sampled (more training text)")
     train.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -142,7 +143,7 @@ def _train_draft(args: Any) -> int:
 
     report = train_draft_head(
         args.prompts, args.out, model=args.model, epochs=args.epochs, draft_vocab=args.draft_vocab,
-        held_out=args.held_out, concurrency=args.concurrency, seed=args.seed,
+        held_out=args.held_out, concurrency=args.concurrency, samples=args.samples, seed=args.seed,
     )  # fmt: skip
     print(json.dumps(dataclasses.asdict(report), indent=2))
     return 0

@@ -4,7 +4,8 @@ Self-distillation, in four stages (each shows its progress on stderr):
 
 1. **Answer**: the target answers every request of the traffic file (a JSONL of chats, each with
    the request's tools, tool choice, response format and max_tokens), batched through a ``Client``,
-   greedily, under the same grammars as in production.
+   under the same grammars as in production: greedily, and ``samples - 1`` more times sampled
+   (temperature 0.8, seeded) for more of the target's own text from the same requests.
 2. **Features**: one teacher-forced pass of the target over each prompt + answer records its
    features (the final normed hidden states: what its LM head reads) at every position.
 3. **Draft vocabulary**: the N most frequent tokens of the answers (then of the prompts): the head's
@@ -52,6 +53,7 @@ class TrainReport:
 
     requests: int
     held_out_requests: int
+    samples: int  # answers per request: one greedy, the rest sampled
     answer_tokens: int
     prompt_tokens: int
     draft_vocab: int
@@ -99,6 +101,7 @@ def train_draft_head(
     draft_vocab: int = 8192,
     held_out: float = 0.1,
     concurrency: int = 8,
+    samples: int = 1,
     learning_rate: float = 1e-3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
@@ -108,25 +111,30 @@ def train_draft_head(
     requests = read_traffic(prompts) if not isinstance(prompts, list) else prompts
     if not 0 < held_out < 1:
         raise InvalidRequestError(f"held_out must be a fraction between 0 and 1, got {held_out}.")
-    if epochs < 1 or draft_vocab < 2:
-        raise InvalidRequestError("epochs must be at least 1 and draft_vocab at least 2.")
+    if epochs < 1 or draft_vocab < 2 or samples < 1:
+        raise InvalidRequestError("epochs and samples must be at least 1 and draft_vocab at least 2.")
     show = progress or _stderr_line
     torch.manual_seed(seed)
     seconds: dict[str, float] = {}
 
     started = time.perf_counter()
-    loaded, sequences = asyncio.run(_answer(requests, model, concurrency, show))
+    loaded, answers = asyncio.run(_answer(requests, model, concurrency, samples, show))
     seconds["answer"] = time.perf_counter() - started
 
     started = time.perf_counter()
+    sequences = [answer for request in answers for answer in request]
     features = [_features(loaded.model, ids, show, i, len(sequences)) for i, (ids, _) in enumerate(sequences)]
     seconds["features"] = time.perf_counter() - started
 
-    rng = random.Random(seed)
-    order = list(range(len(sequences)))
+    rng = random.Random(seed)  # held-out requests (all their answers), never trained on
+    order = list(range(len(answers)))
     rng.shuffle(order)
     held = max(1, round(held_out * len(order)))
-    test, train = order[:held], order[held:]
+    first_answer = [0]
+    for request in answers:
+        first_answer.append(first_answer[-1] + len(request))
+    test = [first_answer[r] for r in order[:held]]  # measured on the greedy answer, as decoding runs
+    train = [i for r in order[held:] for i in range(first_answer[r], first_answer[r + 1])]
 
     counts: Counter[int] = Counter()
     prompt_counts: Counter[int] = Counter()
@@ -152,8 +160,9 @@ def train_draft_head(
     first, second = _agreement(head, [sequences[i] for i in test], [features[i] for i in test])
 
     report = TrainReport(
-        requests=len(train),
-        held_out_requests=len(test),
+        requests=len(order) - held,
+        held_out_requests=held,
+        samples=samples,
         answer_tokens=sum(len(ids) - p for ids, p in sequences),
         prompt_tokens=sum(p for _, p in sequences),
         draft_vocab=len(draft_ids),
@@ -176,14 +185,14 @@ def train_draft_head(
 # -- stages -----------------------------------------------------------------------------------------
 
 
-async def _answer(requests: list[dict[str, Any]], model: Any, concurrency: int, show: Callable[[str], None]) -> tuple[Any, list[tuple[list[int], int]]]:
-    """The target's greedy answers: per request, (prompt + answer token ids, prompt length)."""
+async def _answer(requests: list[dict[str, Any]], model: Any, concurrency: int, samples: int, show: Callable[[str], None]) -> tuple[Any, list[list[tuple[list[int], int]]]]:
+    """The target's answers: per request, per sample, (prompt + answer token ids, prompt length)."""
     from ..client import Client
     from ..params import parse_params
     from ..structured.tools import with_tool_prompt
     from ..types import SpecConfig
 
-    sequences: list[tuple[list[int], int] | None] = [None] * len(requests)
+    sequences: list[list[tuple[int, list[int], int]]] = [[] for _ in requests]  # (sample, ids, prompt length)
     done = 0
     tokens = 0
     started = time.perf_counter()
@@ -191,23 +200,24 @@ async def _answer(requests: list[dict[str, Any]], model: Any, concurrency: int, 
         loaded = client.loaded
         gate = asyncio.Semaphore(concurrency)
 
-        async def answer(i: int, request: dict[str, Any]) -> None:
+        async def answer(i: int, request: dict[str, Any], sample: int) -> None:
             nonlocal done, tokens
             params = {k: v for k, v in request.items() if k != "messages"}
             params.setdefault("max_tokens", 160)
             parsed = parse_params(dict(params), default_spec=SpecConfig())
             messages = with_tool_prompt(request["messages"], list(parsed.tools)) if parsed.tools else request["messages"]
             prompt_ids = loaded.chat.encode(messages)
+            sampling = {"temperature": 0.8, "seed": sample} if sample else {"temperature": 0}
             async with gate:
-                completion = await client.generate(request["messages"], temperature=0, **params)
-            sequences[i] = (prompt_ids + completion.token_ids, len(prompt_ids))
+                completion = await client.generate(request["messages"], **sampling, **params)
+            sequences[i].append((sample, prompt_ids + completion.token_ids, len(prompt_ids)))
             done += 1
             tokens += len(completion.token_ids)
-            show(f"\ranswering {done}/{len(requests)} requests ({tokens / (time.perf_counter() - started):.1f} tokens/s)")
+            show(f"\ranswering {done}/{len(requests) * samples} ({tokens / (time.perf_counter() - started):.1f} tokens/s)")
 
-        await asyncio.gather(*(answer(i, r) for i, r in enumerate(requests)))
+        await asyncio.gather(*(answer(i, r, s) for s in range(samples) for i, r in enumerate(requests)))
     show("\n")
-    return loaded, [s for s in sequences if s is not None]
+    return loaded, [[(ids, length) for _, ids, length in sorted(answers, key=lambda a: a[0])] for answers in sequences]  # greedy first
 
 
 @torch.no_grad()  # not inference mode: training reads these tensors under autograd
