@@ -32,8 +32,8 @@ OWN_SYSTEMS = [s for s in SYSTEMS if s not in LLAMACPP_SYSTEMS]
 @pytest.mark.parametrize("name", ["document_answer", "summary", "code_edit", "open_chat"])
 async def test_bench_rows(client, name):
     rows = await run_bench(client, [workload(name)], OWN_SYSTEMS, max_tokens=6)
-    # no grammar, no earlier outputs, no draft model: n-grams are the only source, so no per-source rows
-    assert [r.system for r in rows] == ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec"]
+    # no grammar, no earlier outputs: n-grams and the shipped draft head are the sources, each alone then both
+    assert [r.system for r in rows] == ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec[ngram]", "agentspec[model]", "agentspec"]
     for row in rows:
         assert row.workload == name
         assert 1 <= row.tokens <= 6 and row.seconds > 0 and row.tokens_per_s > 0
@@ -61,7 +61,7 @@ def test_oracle_bound():
 
 async def test_constrained_workloads_run_on_agentspec_and_outlines(client):
     rows = await run_bench(client, [workload("tool_call"), workload("extraction")], OWN_SYSTEMS, max_tokens=12)
-    systems = ["agentspec_plain", "outlines", "agentspec[grammar]", "agentspec[ngram]", "agentspec"]
+    systems = ["agentspec_plain", "outlines", "agentspec[grammar]", "agentspec[ngram]", "agentspec[model]", "agentspec[grammar+ngram]", "agentspec"]
     assert [(r.workload, r.system) for r in rows] == [(name, system) for name in ("tool_call", "extraction") for system in systems]
     for row in rows:
         assert row.tokens == 12 and row.target_forwards >= 1
@@ -78,9 +78,9 @@ async def test_agent_loop_rows(client):
     loop = dataclasses.replace(workload("agent_loop"), tasks=workload("agent_loop").tasks[:2])
     rows = await run_bench(client, [loop], SYSTEMS, max_tokens=8)
     assert [r.system for r in rows] == [
-        "agentspec_plain", "agentspec[grammar]", "agentspec[ngram]", "agentspec[suffix]", "agentspec[ngram+suffix]",
-        "agentspec[grammar+ngram]", "agentspec",
-    ]  # transformers and outlines cannot run a tool-calling loop; the suffix cache is a source here
+        "agentspec_plain", "agentspec[grammar]", "agentspec[ngram]", "agentspec[suffix]", "agentspec[model]", "agentspec[ngram+suffix]",
+        "agentspec[grammar+ngram]", "agentspec[grammar+ngram+suffix]", "agentspec",
+    ]  # transformers and outlines cannot run a tool-calling loop; the suffix cache is a source here, and the draft head
     for row in rows:
         assert row.identical_to_plain and row.tokens == 16  # two calls cut at 8 tokens: no tool result, no reply
     assert rows[-1].accepted_by_source.get("grammar", 0) > 0
@@ -104,6 +104,9 @@ def test_suffix_gain_pairs_rows_that_ran():
     gains = suffix_gain(rows)  # agentspec[grammar+ngram] did not run: one pair
     assert [(name, a.system, b.system) for name, a, b in gains] == [("agent_loop", "agentspec[ngram+suffix]", "agentspec[ngram]")]
     assert suffix_gain(rows[:1] + [row("agentspec[ngram+suffix]", 20)]) == []  # the cache drafted nothing: no gain to show
+    # with a draft head, "agentspec" holds the head too: the suffix cache's gain is measured without it
+    headed = [row("agentspec[grammar+ngram]", 30), row("agentspec[grammar+ngram+suffix]", 20, suffix=9), row("agentspec", 12, suffix=5)]
+    assert [(a.system, b.system) for _, a, b in suffix_gain(headed)] == [("agentspec[grammar+ngram+suffix]", "agentspec[grammar+ngram]")]
 
 
 def test_system_names():
