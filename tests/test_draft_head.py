@@ -6,7 +6,8 @@
 - greedy and seeded-sampling speculation with the shipped head on the real model give plain
   decoding's tokens, and the head's drafts are accepted;
 - ``train_draft_head`` on the real model answers, records, trains and writes a head that loads;
-- the default client uses the shipped head, ``draft="none"`` turns it off.
+- the default client uses the shipped head, ``draft="none"`` turns it off (then a request allowing
+  only "model" drafts nothing, and a grammar still masks every pass).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import agentspec
 from agentspec.drafting.head import DraftHead, HeadConfig, HeadDrafter, load_head, shipped_head, target_fingerprint
 from agentspec.drafting.train import read_traffic, train_draft_head
+from agentspec.bench.workloads import workload
 from agentspec.engine import Engine
 from agentspec.engine.prefix import PrefixCache
 from agentspec.params import GenerationParams, parse_params
@@ -210,6 +212,14 @@ async def test_the_default_client_uses_the_shipped_head_and_none_turns_it_off(cl
     assert spec.stats.accepted_by_source.get("model", 0) > 0
     async with agentspec.Client(draft="none") as bare:
         assert bare.draft_sources.head is None and bare.draft_sources.draft_model is None
+        # a request that allows only "model" on a client without one drafts nothing, one token per
+        # pass, while the tool call's grammar still masks every pass (its forced text is not drafted)
+        work = workload("tool_call")
+        spec_config = agentspec.SpecConfig(sources=("model",))
+        plain = await bare.generate(work.messages, max_tokens=24, speculative=False, **work.params)
+        bare_spec = await bare.generate(work.messages, max_tokens=24, speculative=spec_config, **work.params)
+        assert bare_spec.token_ids == plain.token_ids
+        assert bare_spec.stats.drafted_tokens == 0 and bare_spec.stats.target_forward_passes == len(plain.token_ids)
 
 
 def test_train_draft_head_on_the_real_model_writes_a_head_that_loads(loaded, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import agentspec
 from agentspec.bench.workloads import workload
 
-SUBSETS = [("grammar",), ("ngram",), ("suffix",), ("grammar", "suffix"), ("grammar", "ngram", "suffix")]
+SUBSETS = [("grammar",), ("ngram",), ("suffix",), ("model",), ("grammar", "suffix"), ("grammar", "ngram", "suffix")]
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +29,10 @@ async def test_each_source_alone_and_mixed_equals_plain(client, plain_outputs, n
     done = await client.generate(work.messages, max_tokens=24, speculative=spec, **work.params)
     assert done.token_ids == plain_outputs[name]
     assert set(done.stats.accepted_by_source) <= set(sources), done.stats.accepted_by_source
-    drafting = set(sources) & ({"grammar", "ngram", "suffix"} if work.constrained else {"ngram", "suffix"})
-    # every allowed source that can propose here does: the tool call's envelope is forced text, and
-    # the suffix cache holds this very output from an earlier request (the fixture's, or the last test's)
+    drafting = set(sources) & ({"grammar", "ngram", "suffix", "model"} if work.constrained else {"ngram", "suffix", "model"})
+    # every allowed source that can propose here does: the tool call's envelope is forced text, the
+    # suffix cache holds this very output from an earlier request (the fixture's, or the last test's),
+    # and the default client's "model" source is the shipped draft head
     assert done.stats.accepted_tokens > 0 if drafting else done.stats.drafted_tokens == 0
     if "suffix" in sources:
         assert done.stats.accepted_by_source.get("suffix", 0) > 0
-
-
-async def test_no_source_drafts_nothing_but_forced_masks_still_apply(client, plain_outputs):
-    work = workload("tool_call")
-    done = await client.generate(work.messages, max_tokens=24, speculative=agentspec.SpecConfig(sources=("model",)), **work.params)
-    assert done.token_ids == plain_outputs["tool_call"]  # no draft model on this client: nothing drafts
-    assert done.stats.drafted_tokens == 0 and done.stats.target_forward_passes == 24

@@ -44,7 +44,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from ..params import GenerationParams
 from .base import Draft
-from .model import CONFIDENCE_BUCKETS, DraftChooser
+from .model import DraftChooser
 
 __all__ = [
     "HEAD_PREFIX",
@@ -321,24 +321,18 @@ class HeadDrafter:
             self.fed, self.last = pairs, predicted[-1:]
         assert self.last is not None
         position = self.first + pairs + 1  # where the next pair goes: the token the last prediction drafts
-        predicted, cache, extra = self.last, self.cache, list(after)
-        for token in after:  # the grammar's tokens: run through, not chosen
+        predicted, cache = self.last, self.cache
+
+        def feed(token: int) -> torch.Tensor:  # the head run on one more token: its new prediction
+            nonlocal predicted, cache, position
             predicted, cache = self._run(predicted, [token], position, cache)
             position += 1
-        drafted: list[int] = []
-        evidence = 0
-        for i in range(k):
-            token, confidence = self.chooser.choose(self._vocab_logits(predicted[-1]), extra)
-            if i == 0:
-                evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
-            elif confidence < self.min_confidence:
-                break
-            drafted.append(token)
-            extra.append(token)
-            if i + 1 < k:
-                predicted, cache = self._run(predicted, [token], position, cache)
-                position += 1
-        return Draft(drafted, self.source, evidence=evidence)
+            return predicted[-1]
+
+        for token in after:  # the grammar's tokens: run through, not chosen
+            feed(token)
+        first = self._vocab_logits(predicted[-1])
+        return self.chooser.draft(first, k, after, self.min_confidence, lambda token: self._vocab_logits(feed(token)), self.source)
 
     # -- helpers ------------------------------------------------------------------------------------
 

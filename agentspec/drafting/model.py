@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -77,6 +77,27 @@ class DraftChooser:
         keys = torch.tensor(position_keys(self.params.seed, [position]), dtype=torch.int32, device=probs.device)
         token = int(sample(probs, keys)[0])
         return token, float(probs[0, token])
+
+    def draft(self, logits: torch.Tensor, k: int, extra: Sequence[int], min_confidence: float, advance: Callable[[int], torch.Tensor], source: str) -> Draft:
+        """Up to ``k`` tokens chosen one by one: from ``logits`` [V] (the drafter's scores of the
+        token after the committed tokens + ``extra``), then from ``advance(token)`` — the drafter
+        fed its own choice. Stops once the drafter's probability of its own token falls below
+        ``min_confidence`` (after the first token, whose probability is the draft's evidence); a
+        ``Draft`` of ``source``."""
+        extra = list(extra)
+        tokens: list[int] = []
+        evidence = 0
+        for i in range(k):
+            token, confidence = self.choose(logits, extra)
+            if i == 0:
+                evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
+            elif confidence < min_confidence:
+                break
+            tokens.append(token)
+            extra.append(token)
+            if i + 1 < k:
+                logits = advance(token)
+        return Draft(tokens, source, evidence=evidence)
 
 
 class ModelDrafter:
@@ -137,20 +158,7 @@ class ModelDrafter:
         # Keep the cached prefix of the context, but feed at least its last token (for its logits).
         self._crop(min(common_prefix(self.cached, context), len(context) - 1))
         logits = self._feed(context[len(self.cached) :])  # [D] scores of the token after `context`
-        extra = list(after)  # tokens after the committed ones, for the penalty
-        tokens: list[int] = []
-        evidence = 0
-        for i in range(k):
-            token, confidence = self.chooser.choose(logits, extra)
-            if i == 0:
-                evidence = 1 + min(int(confidence * CONFIDENCE_BUCKETS), CONFIDENCE_BUCKETS - 1)
-            elif confidence < self.min_confidence:
-                break
-            tokens.append(token)
-            extra.append(token)
-            if i + 1 < k:
-                logits = self._feed([token])
-        return Draft(tokens, self.source, evidence=evidence)
+        return self.chooser.draft(logits, k, after, self.min_confidence, lambda token: self._feed([token]), self.source)
 
     def observe(self, committed: Sequence[int]) -> None:
         """Keep the speculative keys/values that were committed, drop the rest."""
