@@ -107,6 +107,27 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
         assert crossover > 0.98 and drafted(96, 0.99) == 0
 
 
+def test_a_reused_calibration_is_an_earlier_engines_and_other_shapes_are_measured(loaded):
+    """``calibrate(reuse=True)`` (a client's start-up) takes the measurements of an earlier engine of
+    the same model, pass and shapes without running a pass; an engine of other shapes measures."""
+    first = Engine(loaded, max_draft_tokens=3)
+    first.calibrate()
+    shapes = range(1, first.costs.max_positions + 1)
+
+    def no_pass(rows):
+        raise AssertionError("a reused calibration runs no pass")
+
+    again = Engine(loaded, max_draft_tokens=3)
+    again.forward = no_pass
+    again.calibrate(reuse=True)
+    assert [again.costs.cost(p) for p in shapes] == [first.costs.cost(p) for p in shapes]
+    assert again.costs.segment_ms == first.costs.segment_ms
+    other = Engine(loaded, max_draft_tokens=4)
+    other.forward = no_pass
+    with pytest.raises(AssertionError, match="runs no pass"):
+        other.calibrate(reuse=True)
+
+
 def test_batch_lengths_match_brute_force_on_small_cases():
     from agentspec.drafting.acceptance import expected_tokens
     from agentspec.engine.lengths import CostModel

@@ -125,7 +125,7 @@ class LocalBackend:
             )
             self.sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
             engine.drafter_factory = self.sources.drafter
-            engine.calibrate()
+            engine.calibrate(reuse=True)  # a second client on this model starts from the first's measurements
             runtime.engine = engine
             return loaded
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import threading
 import time
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -53,6 +55,10 @@ from .weights import fastest_pass_ms, select_weights
 __all__ = ["Engine", "Kind", "Plan"]
 
 log = logging.getLogger("agentspec.engine")
+
+# The latest calibration per model (weakly held) and (pass, shapes, context, repeats), for ``reuse``.
+_calibrations: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, CostModel]]" = weakref.WeakKeyDictionary()
+_calibrations_lock = threading.Lock()
 
 DrafterFactory = Callable[[GenerationParams], Drafter | None]
 Verdict = tuple[int, int]  # (accepted draft tokens, the recovered or bonus token)
@@ -152,10 +158,22 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, repeats: int = 3) -> None:
+    def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False) -> None:
         """Check the packed attention against the model's own, then measure every pass shape (which
         also warms the kernels up). The fastest of ``repeats`` runs is kept: interference from other
-        processes only adds time."""
+        processes only adds time.
+
+        reuse: where an engine of this process already calibrated the same model, pass and shapes,
+          start from its measurements instead (a second client on a loaded model starts without
+          measuring again); the costs are tracked live from the first pass either way.
+        """
+        key = (self.weights.name, tuple(self._calibrate_shapes), context, repeats)
+        if reuse:
+            with _calibrations_lock:
+                earlier = _calibrations.get(self.model, {}).get(key)
+            if earlier is not None:
+                self.costs.copy_from(earlier)
+                return
         try:
             check_packed(self.model, self.layout, forward=self.forward)
         except NotImplementedError as exc:
@@ -174,6 +192,10 @@ class Engine:
         self.forward([PackedRow(b, list(range(token, token + context)), 1) for b in blocks])
         ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
         self.costs.segment_ms = max(0.0, (ms - self.costs.cost(segments)) / (segments - 1))
+        measured = CostModel(self.costs.max_positions)
+        measured.copy_from(self.costs)
+        with _calibrations_lock:
+            _calibrations.setdefault(self.model, {})[key] = measured
 
     def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
         """The fastest of ``repeats`` runs of one pass over ``rows`` (rolled back after each), in ms."""

@@ -40,6 +40,12 @@ class CostModel:
         # comparable whichever batches it was measured in.
         self.segment_ms = 0.0
 
+    def copy_from(self, other: "CostModel") -> None:
+        """Take ``other``'s measurements (of the shapes both have)."""
+        for positions in range(1, min(self.max_positions, other.max_positions) + 1):
+            self._ms[positions] = other._ms[positions]
+        self.segment_ms = other.segment_ms
+
     def pass_cost(self, positions: int, segments: int = 1) -> float:
         """Expected ms of a pass over ``positions`` positions from ``segments`` sequences, padded."""
         return self.effective_cost(positions) + (segments - 1) * self.segment_ms
