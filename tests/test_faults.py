@@ -4,6 +4,7 @@ a failing forward pass ends one request with a typed error while the others and 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Sequence
 
 import pytest
@@ -95,7 +96,7 @@ async def test_failing_start_ends_one_request_and_the_worker_survives(client, mo
     assert done.usage.completion_tokens == 4
 
 
-async def test_concurrent_starts_load_once_and_close_during_start_wins():
+async def test_concurrent_starts_load_once_and_close_during_start_wins(monkeypatch):
     client = agentspec.Client()
     await asyncio.gather(client.start(), client.start())
     engine = client.engine
@@ -103,10 +104,22 @@ async def test_concurrent_starts_load_once_and_close_during_start_wins():
     assert client.engine is engine
     await client.aclose()
 
+    # A second client on the loaded model starts in a fraction of a second (it reuses the first's
+    # calibration): hold its start-up at calibration so that the close surely comes during it.
+    calibrating, release = threading.Event(), threading.Event()
+    real_calibrate = Engine.calibrate
+
+    def held_calibrate(self, *args, **kwargs):
+        calibrating.set()
+        release.wait(timeout=60)
+        return real_calibrate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "calibrate", held_calibrate)
     closing = agentspec.Client()
     task = asyncio.create_task(closing.start())
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(calibrating.wait, 60)
     await closing.aclose()
+    release.set()
     with pytest.raises(agentspec.ClientClosedError):
         await task
     with pytest.raises(agentspec.ClientClosedError):
