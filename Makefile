@@ -23,8 +23,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/agentspec demo
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per worker at a time (module
+# fixtures run once), each on its share of the cores (tests/conftest.py). A test is mostly Python on
+# one core, so two workers on 2 cores take 14 min where one took 30.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # llama.cpp, the bench's CPU peer, with its OpenAI-compatible server (tests/test_llamacpp_server.py runs
 # Client(base_url=...) against it): pip compiles it (about 13 minutes on 2 cores, then cached). AMX off:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -11,6 +12,14 @@ import agentspec
 from agentspec.engine import Engine, Sequence
 from agentspec.model import LoadedModel, load_model
 from agentspec.params import GenerationParams
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs one worker per core) each worker computes on its share of
+    the cores: torch's default, a thread per core in every worker, would oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")
