@@ -226,7 +226,7 @@ class Client:
         self.draft = draft
         self.device = device
         self.dtype = dtype
-        self.weights = weights  # the target pass's linear kernels: "auto" (fastest measured), "eager", "onednn", "fused"
+        self.weights = weights  # the target pass: "auto" (fastest measured), "eager", "onednn", "fused"; "bf16" (rounded weights)
         self.spec = spec
         self._state = _State.NEW
         self._start_lock = asyncio.Lock()

@@ -175,7 +175,7 @@ class Engine:
                 self.costs.copy_from(earlier)
                 return
         try:
-            check_packed(self.model, self.layout, forward=self.forward)
+            check_packed(self.model, self.layout, self.weights.tolerance, forward=self.forward)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{self.loaded.name}: this architecture's attention is not supported by agentspec's batched passes ({exc})."

@@ -18,7 +18,16 @@ The candidates (``CANDIDATES``):
   on oneDNN-packed weights where they run, else ``F.linear``.
 
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
-the model's, times each on 1- and 8-position passes, and keeps the fastest. The loaded model is shared
+the model's, times each on 1- and 8-position passes, and keeps the fastest.
+
+Reduced precision (``REDUCED``), asked for by name, never chosen by ``"auto"``:
+- ``"bf16"``: the fused pass with its linear weights rounded to bfloat16 and packed for oneDNN (CPUs
+  with AVX-512; half the bytes a token streams). Activations, norms, attention and the cache stay
+  float32; each product takes its input rounded to bfloat16 and accumulates in float32. Its logits
+  are those of another model — the loaded one with bfloat16 linear weights (up to ~0.9 apart on the
+  default model) — so its greedy output can differ from plain float32 decoding; speculative decoding
+  on it equals plain decoding on it, token for token, as with every pass (``tests/test_weights.py``).
+  ``"auto"`` keeps the loaded model's logits, so it does not pick this one. The loaded model is shared
 and stays untouched (``generate``, draft models and the bench's baselines use it); the faster passes
 hold a second copy of the linear weights (540 MB for the default model in float32).
 """
@@ -43,14 +52,17 @@ from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
 
 __all__ = [
-    "WEIGHTS", "CANDIDATES", "SelectedWeights", "OneDNNLinear", "onednn_supported", "with_onednn_linears",
-    "onednn_linear", "torch_linear", "select_weights", "fastest_pass_ms",
+    "WEIGHTS", "CANDIDATES", "REDUCED", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
+    "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights", "fastest_pass_ms",
 ]
 
 log = logging.getLogger("agentspec.engine")
 
-CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused")
-WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES)
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused")  # the loaded model's logits: "auto" picks among them
+REDUCED: tuple[str, ...] = ("bf16",)  # other logits (rounded weights): only when asked for
+WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *REDUCED)
+# bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
+REDUCED_TOLERANCE = 2.0
 
 # oneDNN picks its packed layout for an expected number of rows; 8 is a verification pass. The layout
 # (not the rows of a call) fixes the reduction order, so every pass shape gets the same sums.
@@ -89,6 +101,20 @@ def onednn_supported(model: Any) -> str | None:
     return None
 
 
+def bf16_supported(model: Any) -> str | None:
+    """Why ``model`` cannot run on oneDNN-packed bfloat16 weights here (``"bf16"``), or None when it can."""
+    reason = onednn_supported(model)
+    if reason is not None:
+        return reason
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bfloat16 instructions oneDNN uses (AVX-512)"
+    try:
+        onednn_linear(torch.zeros(16, 16), torch.bfloat16)(torch.zeros(2, 16))
+    except RuntimeError as exc:  # e.g. "needs avx_ne_convert or avx512bw/vl/dq"
+        return f"oneDNN cannot pack bfloat16 weights here ({str(exc).splitlines()[0]})"
+    return None
+
+
 def with_onednn_linears(model: Any) -> Any:
     """A copy of ``model``'s module tree sharing its parameters, every ``nn.Linear`` packed for oneDNN
     (the output layer too, tied to the embeddings or not). ``model`` itself is unchanged."""
@@ -104,20 +130,24 @@ def with_onednn_linears(model: Any) -> Any:
     return fast.eval()
 
 
-def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``.
+def onednn_linear(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``; with
+    ``dtype`` (bfloat16), on the weight and input rounded to it, the result back in ``x``'s dtype.
 
     A lone row runs as two (itself twice): on AVX-512 CPUs oneDNN computes a 1-row product with
     another reduction order than a product of 2 or more rows (measured here for 1536 inputs: the
     MLP's down projection), so without this a plain step and a verification would round a row
     differently. From 2 rows on the result of a row depends neither on how many share the call nor
     on its place (``tests/test_weights.py``); the second row costs next to nothing."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    weight = weight.detach() if dtype is None else weight.detach().to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
     def product(x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(weight.dtype)
         if x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            rows = rows.expand(2, -1).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+        return (out[:1] if x.shape[0] == 1 else out).to(x.dtype)
 
     return product
 
@@ -136,6 +166,10 @@ class SelectedWeights:
     forward: PassFunction
     reason: str
     timings_ms: dict[str, tuple[float, ...]]  # per candidate measured: pass times at MEASURED_POSITIONS (auto only)
+    # How far its logits may be from the loaded model's own forward (``check_packed``; None: that
+    # check's default, float32 rounding). A pass on rounded weights is another model: its bound only
+    # catches a broken pass (attention without its past is off by whole units).
+    tolerance: float | None = None
 
 
 MEASURED_POSITIONS = (1, 8)  # one plain token and a typical verification
@@ -170,9 +204,11 @@ def _build(model: Any, name: str) -> PassFunction:
     if name in ("eager", "onednn"):
         use_packed_attention(model)
         return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
-    reason = fused_unsupported(model)
+    reason = fused_unsupported(model) or (bf16_supported(model) if name == "bf16" else None)
     if reason is not None:
         raise NotImplementedError(reason)
+    if name == "bf16":
+        return FusedLlamaPass(model, functools.partial(onednn_linear, dtype=torch.bfloat16))
     return FusedLlamaPass(model, torch_linear if onednn_supported(model) is not None else onednn_linear)
 
 
@@ -193,7 +229,7 @@ def select_weights(model: Any, layout: KVLayout, requested: str = "auto") -> Sel
 
 def _select(model: Any, layout: KVLayout, requested: str) -> SelectedWeights:
     if requested != "auto":
-        return SelectedWeights(requested, _build(model, requested), "requested", {})
+        return SelectedWeights(requested, _build(model, requested), "requested", {}, REDUCED_TOLERANCE if requested in REDUCED else None)
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     for name in CANDIDATES[1:]:
