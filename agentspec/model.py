@@ -34,7 +34,7 @@ from .errors import ModelLoadError
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
-__all__ = ["LoadedModel", "load_model", "read_model", "resolve_device", "default_model_path", "snapshot_path", "CACHE_ENV"]
+__all__ = ["LoadedModel", "load_model", "read_model", "resolve_device", "default_model_path", "snapshot_path", "cache_dir", "CACHE_ENV"]
 
 log = logging.getLogger("agentspec.model")
 
@@ -65,6 +65,7 @@ class LoadedModel:
     stop_token_ids: frozenset[int]
     token_bytes: list[bytes] = field(repr=False)
     chat: ChatFormat = field(repr=False)
+    gguf_file: Path | None = None  # the GGUF file the weights were read from (directly or via its snapshot)
 
     @property
     def vocab_size(self) -> int:
@@ -142,15 +143,25 @@ def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def snapshot_path(gguf: Path, dtype: torch.dtype) -> Path | None:
-    """Where the snapshot of this GGUF file loaded in ``dtype`` lives (it may not exist yet); None
-    with ``AGENTSPEC_CACHE_DIR=off``."""
+def cache_dir(kind: str) -> Path | None:
+    """agentspec's cache folder for ``kind`` ("models": GGUF snapshots; "kernels": compiled block
+    kernels): under ``$AGENTSPEC_CACHE_DIR``, else ``~/.cache/agentspec``; None with ``off``."""
     setting = os.environ.get(CACHE_ENV, "")
     if setting == "off":
         return None
+    if setting:  # snapshots sit at its top, as they always have
+        return Path(setting) if kind == "models" else Path(setting) / kind
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentspec" / kind
+
+
+def snapshot_path(gguf: Path, dtype: torch.dtype) -> Path | None:
+    """Where the snapshot of this GGUF file loaded in ``dtype`` lives (it may not exist yet); None
+    with ``AGENTSPEC_CACHE_DIR=off``."""
+    root = cache_dir("models")
+    if root is None:
+        return None
     import transformers
 
-    root = Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentspec" / "models"
     stat = gguf.stat()
     identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{dtype}"
     return root / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
@@ -185,6 +196,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
     except ImportError as exc:  # pragma: no cover - a dependency of the package
         raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
     source, kwargs = _sources(ref)
+    source_file = str(Path(source, kwargs["gguf_file"])) if "gguf_file" in kwargs else None
     name = str(ref or Path(source, kwargs["gguf_file"]).name)
     snapshot = snapshot_path(Path(source, kwargs["gguf_file"]), dtype) if "gguf_file" in kwargs else None
     if snapshot is not None and (snapshot / SNAPSHOT_WEIGHTS).exists():
@@ -230,6 +242,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         stop_token_ids=_stop_token_ids(model, tokenizer),
         token_bytes=token_bytes_table(tokenizer, vocab_size),
         chat=ChatFormat(tokenizer),
+        gguf_file=Path(source_file) if source_file else None,
     )
 
 

@@ -74,4 +74,4 @@ def tiny_model(loaded: LoadedModel, *, seed: int = 0, hidden: int = 32, layers: 
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    return dataclasses.replace(loaded, name=f"tiny-{seed}", model=model, context_window=512)
+    return dataclasses.replace(loaded, name=f"tiny-{seed}", model=model, context_window=512, gguf_file=None)  # not the file's weights

@@ -13,6 +13,7 @@ from torch import nn
 
 import agentspec
 from agentspec.engine import Engine
+from agentspec.engine.blocks import blocks_unsupported
 from agentspec.engine.fused import FusedLlamaPass, fused_unsupported
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
@@ -37,11 +38,13 @@ from .conftest import decode, tiny_model
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 
 
-def _unsupported(weights: str, model) -> str | None:
-    """Why the pass ``weights`` cannot run on ``model`` here (skip reason), or None."""
+def _unsupported(weights: str, loaded) -> str | None:
+    """Why the pass ``weights`` cannot run on ``loaded``'s model here (skip reason), or None."""
     if weights == "onednn":
-        return onednn_supported(model)
-    return bf16_supported(model) if weights == "bf16" else None
+        return onednn_supported(loaded.model)
+    if weights == "gguf":
+        return blocks_unsupported(loaded.model, loaded.gguf_file)
+    return bf16_supported(loaded.model) if weights == "bf16" else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -86,7 +89,9 @@ def test_select_weights_measures_caches_and_explains(loaded):
     eager = select_weights(tiny, layout, "eager")
     assert eager.name == "eager" and eager.reason == "requested"
     auto = select_weights(tiny, layout, "auto")
-    assert set(auto.timings_ms) == set(CANDIDATES) and all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
+    # every candidate but the GGUF blocks, which need the file the model was read from
+    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf"} and "gguf: the model was not read from a GGUF file" in auto.reason
+    assert all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
     assert auto.name == min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name])) and "measured" in auto.reason
     assert select_weights(tiny, layout, "auto") is auto  # decided once per model
     with pytest.raises(ValueError, match="Unknown weights 'fast'"):
@@ -145,18 +150,19 @@ def test_fused_pass_gives_the_models_logits(loaded):
         assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
 
 
-@pytest.mark.parametrize("weights", ["fused", "onednn", "bf16"])
+@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16"])
 @torch.inference_mode()
 def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     """Item 4 of the fast-pass issue: the same token at the same place gets the same logits, bit for
     bit, as a lone plain step, as any position of a verification, and beside other sequences — on
     the kernels the engine runs by default, and on bfloat16 weights. Otherwise a verification could
     accept what plain decoding would not write."""
-    if _unsupported(weights, loaded.model) is not None:
-        pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded.model)}")
+    if _unsupported(weights, loaded) is not None:
+        pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     model, layout = loaded.model, KVLayout.of(loaded.model)
     use_packed_attention(model)
     forward = {
+        "gguf": lambda: select_weights(model, layout, "gguf", loaded.gguf_file).forward,
         "fused": lambda: FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
         "onednn": lambda: functools.partial(forward_packed, with_onednn_linears(model)),
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
@@ -214,7 +220,8 @@ def test_default_engine_states_its_weights(engine):
     assert chosen.name in CANDIDATES and engine.forward is chosen.forward
     assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
-        assert set(chosen.timings_ms) == set(CANDIDATES)
+        expected = set(CANDIDATES) - ({"gguf"} if blocks_unsupported(engine.loaded.model, engine.loaded.gguf_file) else set())
+        assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 
 
@@ -229,8 +236,8 @@ PROMPTS = [
 def test_greedy_speculative_matches_plain_with_either_weights(loaded, engine, weights):
     """Each kernel choice against plain decoding of the same weights (the equivalence suite runs the
     default choice): K pinned at 8, so drafts are verified at full length and rolled back."""
-    if _unsupported(weights, loaded.model) is not None:
-        pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded.model)}")
+    if _unsupported(weights, loaded) is not None:
+        pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     target = Engine(loaded, weights=weights)
     target.costs = engine.costs
     plain = GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False))

@@ -141,7 +141,7 @@ class Engine:
         self.layout = KVLayout.of(self.model)
         # The target pass: over the model's own modules, or a faster one that gives the same logits.
         try:
-            self.weights = select_weights(self.model, self.layout, weights)
+            self.weights = select_weights(self.model, self.layout, weights, loaded.gguf_file)
         except NotImplementedError as exc:
             raise ModelLoadError(f"weights={weights!r} cannot run here: {exc}. Use weights='auto' or 'eager'.") from exc
         self.forward = self.weights.forward

@@ -10,8 +10,9 @@ LM head on the kept positions only — and gives the same logits as ``forward_pa
 model (bit for bit on the default model, checked at start-up against the model's own forward like
 every pass). Fewer, larger products: 4 per layer instead of 7.
 
-Products run on oneDNN-packed weights where ``weights.onednn_supported`` says they can (CPU,
-float32), else with ``F.linear`` on the concatenated weights (any device and dtype). Only what a
+Products run on what ``linear`` makes of the weights: oneDNN-packed weights where
+``weights.onednn_supported`` says they can (CPU, float32), else ``F.linear`` on the concatenated
+weights (any device and dtype), or the GGUF file's own blocks (``blocks.py``). Only what a
 Llama decoder layer does is supported (``fused_unsupported`` says why not); other architectures run
 through transformers' modules.
 """
@@ -25,11 +26,14 @@ import torch.nn.functional as F
 
 from .packed import PackedRow, attend, finish_rows, pack_rows, store_kv, wants_features
 
-__all__ = ["FusedLlamaPass", "fused_unsupported", "FUSED_MODEL_TYPES"]
+__all__ = ["FusedLlamaPass", "fused_unsupported", "FUSED_MODEL_TYPES", "Linear", "LinearFactory"]
 
 FUSED_MODEL_TYPES = ("llama",)  # SmolLM, Llama 2/3, TinyLlama, ... (model_type as in the config)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+# Makes the product of weights stacked along their outputs (q, k and v as one product): oneDNN-packed
+# or F.linear over the concatenation (``weights.py``), or the GGUF file's own blocks (``blocks.py``).
+LinearFactory = Callable[[Sequence[torch.Tensor]], Linear]
 
 
 def fused_unsupported(model: Any) -> str | None:
@@ -71,22 +75,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layer:
     __slots__ = ("norm1", "norm2", "qkv", "o", "gate_up", "down", "eps1", "eps2", "scaling")
 
-    def __init__(self, layer: Any, linear: Callable[[torch.Tensor], Linear]) -> None:
+    def __init__(self, layer: Any, linear: LinearFactory) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
         self.scaling = attention.scaling
         with torch.no_grad():
-            self.qkv = linear(torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]))
-            self.gate_up = linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            self.o = linear(attention.o_proj.weight)
-            self.down = linear(mlp.down_proj.weight)
+            self.qkv = linear([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+            self.gate_up = linear([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.o = linear([attention.o_proj.weight])
+            self.down = linear([mlp.down_proj.weight])
 
 
 class FusedLlamaPass:
     """A target pass (rows in, each row's kept logits out) computed from a Llama model's weights."""
 
-    def __init__(self, model: Any, linear: Callable[[torch.Tensor], Linear]) -> None:
+    def __init__(self, model: Any, linear: LinearFactory) -> None:
         reason = fused_unsupported(model)
         if reason is not None:
             raise NotImplementedError(reason)
@@ -101,7 +105,7 @@ class FusedLlamaPass:
         self.norm, self.eps = body.norm.weight, body.norm.variance_epsilon
         self.layers = [_Layer(layer, linear) for layer in body.layers]
         with torch.no_grad():
-            self.head = linear(model.get_output_embeddings().weight)
+            self.head = linear([model.get_output_embeddings().weight])
 
     @torch.inference_mode()
     def __call__(self, rows: Sequence[PackedRow]) -> list[torch.Tensor]:

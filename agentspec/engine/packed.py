@@ -159,21 +159,35 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
     return attn.transpose(1, 2).contiguous()
 
 
+# Fewest query rows a CPU float32 attention product runs with: MKL multiplies 1–3 rows with other
+# kernels (another summation order) than 4 or more; from 4 rows to 64 and beyond, over 5–1500 keys,
+# a row's result is the same bits whatever shares the call (measured here, 1 and 2 threads).
+MIN_ATTENTION_ROWS = 4
+
+
 def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """Scaled dot-product attention whose result for a query does not depend on how many queries
     share the call. On a CPU in float32, torch's fused (flash) kernel blocks queries by their number
     (measured: a query's output changes once a call has 4 or more positions), so there attention is
-    written out — scores, mask, softmax, weighted sum: every query a row of the same two products,
-    so every pass shape rounds a position alike, as verification needs (``tests/test_weights.py``).
-    This is what torch's math kernel computes, without its dispatch around it: 44 against 135 µs
-    per call for one query over 200 keys here, 3 ms of a 1-position pass of the default model.
-    Elsewhere (CUDA, reduced precision: not the default on a CPU) the fused kernel runs as it is."""
+    written out — scores, mask, softmax, weighted sum: every query a row of the same two products —
+    with at least ``MIN_ATTENTION_ROWS`` rows (a plain step's 3 query heads per key head get a copy
+    of the last), so every pass shape rounds a position alike, as verification needs
+    (``tests/test_weights.py``). This is torch's math kernel without its dispatch around it: 44
+    against 135 µs per call for one query over 200 keys here, 3 ms of a 1-position pass of the
+    default model. Elsewhere (CUDA, reduced precision: not the default on a CPU) the fused kernel
+    runs as it is."""
     if query.device.type == "cpu" and query.dtype == torch.float32:
+        rows = query.shape[-2]
+        if rows < MIN_ATTENTION_ROWS:
+            extra = MIN_ATTENTION_ROWS - rows
+            query = torch.cat([query, query[..., -1:, :].expand(*query.shape[:-2], extra, query.shape[-1])], dim=-2)
+            if mask is not None:
+                mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, mask.shape[-1])], dim=-2)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), values)
+        return torch.matmul(torch.softmax(scores, dim=-1), values)[..., :rows, :]
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
 
 

@@ -16,6 +16,8 @@ The candidates (``CANDIDATES``):
   oneDNN-packed weights (any architecture; CPU, float32).
 - ``"fused"``: ``FusedLlamaPass`` (``fused.py``), agentspec's own pass for Llama-architecture models,
   on oneDNN-packed weights where they run, else ``F.linear``.
+- ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
+  CPU, AVX-512, a C compiler): the same float32 weights, a fifth of the bytes per token.
 
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
 the model's, times each on 1- and 8-position passes, and keeps the fastest.
@@ -41,12 +43,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks import GGUFBlocks, blocks_unsupported
 from .fused import FusedLlamaPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
@@ -58,7 +62,7 @@ __all__ = [
 
 log = logging.getLogger("agentspec.engine")
 
-CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused")  # the loaded model's logits: "auto" picks among them
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf")  # the loaded model's logits: "auto" picks among them
 REDUCED: tuple[str, ...] = ("bf16",)  # other logits (rounded weights): only when asked for
 WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *REDUCED)
 # bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
@@ -130,8 +134,14 @@ def with_onednn_linears(model: Any) -> Any:
     return fast.eval()
 
 
-def onednn_linear(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight``; with
+def _stacked(weight: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """One weight, or several stacked along their outputs (one product for q, k and v)."""
+    return weight.detach() if isinstance(weight, torch.Tensor) else torch.cat([w.detach() for w in weight])
+
+
+def onednn_linear(weight: torch.Tensor | Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` ([rows, in] → [rows, out]) on a oneDNN-packed copy of ``weight`` (or of
+    several weights stacked along their outputs); with
     ``dtype`` (bfloat16), on the weight and input rounded to it, the result back in ``x``'s dtype.
 
     A lone row runs as two (itself twice): on AVX-512 CPUs oneDNN computes a 1-row product with
@@ -139,7 +149,7 @@ def onednn_linear(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Cal
     MLP's down projection), so without this a plain step and a verification would round a row
     differently. From 2 rows on the result of a row depends neither on how many share the call nor
     on its place (``tests/test_weights.py``); the second row costs next to nothing."""
-    weight = weight.detach() if dtype is None else weight.detach().to(dtype)
+    weight = _stacked(weight) if dtype is None else _stacked(weight).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
     def product(x: torch.Tensor) -> torch.Tensor:
@@ -152,9 +162,9 @@ def onednn_linear(weight: torch.Tensor, dtype: torch.dtype | None = None) -> Cal
     return product
 
 
-def torch_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ weight.T`` with ``F.linear`` (any device and dtype)."""
-    weight = weight.detach()
+def torch_linear(weight: torch.Tensor | Sequence[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` with ``F.linear`` (any device and dtype); several weights stack along their outputs."""
+    weight = _stacked(weight)
     return lambda x: F.linear(x, weight)
 
 
@@ -199,8 +209,13 @@ def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: i
     return fastest_pass_ms(forward, [PackedRow(block, [100] * positions, 1)], repeats)
 
 
-def _build(model: Any, name: str) -> PassFunction:
+def _build(model: Any, name: str, gguf_file: Path | None = None) -> PassFunction:
     """The pass ``name`` over ``model``; ``NotImplementedError`` where it cannot run."""
+    if name == "gguf":
+        reason = blocks_unsupported(model, gguf_file) or onednn_supported(model)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        return FusedLlamaPass(model, GGUFBlocks(model, gguf_file, fallback=onednn_linear).linear)
     if name in ("eager", "onednn"):
         use_packed_attention(model)
         return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
@@ -213,28 +228,29 @@ def _build(model: Any, name: str) -> PassFunction:
 
 
 @torch.inference_mode()
-def select_weights(model: Any, layout: KVLayout, requested: str = "auto") -> SelectedWeights:
+def select_weights(model: Any, layout: KVLayout, requested: str = "auto", gguf_file: Path | None = None) -> SelectedWeights:
     """The target pass for ``model``: ``requested``, or for ``"auto"`` the fastest of the candidates
     that can run here and agree with the model (1- and 8-position passes, timed here). Decided once
-    per model and request, shared by every engine of that model. Raises ``ValueError`` for a name not
-    in WEIGHTS and ``NotImplementedError`` for a candidate that cannot run here."""
+    per model and request, shared by every engine of that model. ``gguf_file``: the file the model
+    was read from, for the ``"gguf"`` pass. Raises ``ValueError`` for a name not in WEIGHTS and
+    ``NotImplementedError`` for a candidate that cannot run here."""
     if requested not in WEIGHTS:
         raise ValueError(f"Unknown weights {requested!r}; use one of {', '.join(WEIGHTS)}.")
     with _selected_lock:
         chosen = _selected.setdefault(model, {})
         if requested not in chosen:
-            chosen[requested] = _select(model, layout, requested)
+            chosen[requested] = _select(model, layout, requested, gguf_file)
         return chosen[requested]
 
 
-def _select(model: Any, layout: KVLayout, requested: str) -> SelectedWeights:
+def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None) -> SelectedWeights:
     if requested != "auto":
-        return SelectedWeights(requested, _build(model, requested), "requested", {}, REDUCED_TOLERANCE if requested in REDUCED else None)
+        return SelectedWeights(requested, _build(model, requested, gguf_file), "requested", {}, REDUCED_TOLERANCE if requested in REDUCED else None)
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     for name in CANDIDATES[1:]:
         try:  # cannot run here, or its logits differ from the model's own forward (check_packed)
-            forward = _build(model, name)
+            forward = _build(model, name, gguf_file)
             check_packed(model, layout, forward=forward)
         except NotImplementedError as exc:
             left_out.append(f"{name}: {exc}")

@@ -1,0 +1,262 @@
+"""The target pass on a GGUF file's own weight blocks (``weights="gguf"``): the loaded weights, in
+a fifth of the bytes.
+
+A pass of a small model on a CPU streams every weight once per token, so the bytes it reads set its
+time. The default model's file stores its linear weights as Q4_1 blocks (32 weights share a float16
+scale and minimum: 0.625 bytes a weight) and its embedding — the tied LM head — as Q8_0 (1.06 bytes
+a weight): 98 MB for what the float32 model reads as 540 MB. ``blocks.c`` multiplies float32 rows
+by those blocks directly, rounding each weight exactly as the GGUF reader dequantises it, so its
+products are those of the loaded float32 weights (the sums in another order: within float32
+rounding of the model's own logits, like oneDNN's). It is row-invariant by construction (each
+output is one accumulator taking the same operations whatever shares the call), which verification
+needs. Measured here (2 cores, all products of a pass, weights streamed from memory): 1/2/4/8 rows
+10.6/12.1/13.4/21.0 ms against 30.5/30.9/24.8/29.2 ms on oneDNN-packed float32 weights; past 16 rows
+(long prompts) it is slower than oneDNN's GEMM, 1.5× at 256.
+
+The kernels are C (AVX-512), compiled on first use with the machine's C compiler (``$CC``, else
+``cc``) for this CPU and cached under ``$AGENTSPEC_CACHE_DIR/kernels`` (about a second); where
+there is no compiler or no AVX-512 the pass is not a candidate and says why. Weights whose blocks
+are of another type (or float) take oneDNN-packed float32 products instead; every block is checked
+at start-up to dequantise to the loaded weight, bit for bit, or the pass is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..model import cache_dir
+from .fused import Linear, LinearFactory, fused_unsupported
+
+__all__ = ["GGUFBlocks", "BLOCK_TYPES", "KERNEL_SOURCE", "block_kernels", "blocks_unsupported"]
+
+log = logging.getLogger("agentspec.engine")
+
+KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+BLOCK = 32  # weights per block, both types
+BLOCK_TYPES = ("Q4_1", "Q8_0")
+_SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product"}
+_compile_lock = threading.Lock()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def _kernels() -> ctypes.CDLL | str:
+    """The compiled kernels, or why there are none here."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the GGUF block kernels are x86-64 (AVX-512); this machine is {platform.machine()}"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
+    source = KERNEL_SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the C compiler {compiler!r} does not run ({exc})"
+    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
+    key = hashlib.sha256(b"|".join([source, " ".join(FLAGS).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
+    folder = cache_dir("kernels")
+    if folder is None:  # AGENTSPEC_CACHE_DIR=off: build in a folder of this process
+        folder = Path(tempfile.mkdtemp(prefix="agentspec-kernels-"))
+    library = folder / f"blocks-{key}.so"
+    with _compile_lock:
+        if not library.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                partial = folder / f".{library.name}.{os.getpid()}"
+                done = subprocess.run([compiler, *FLAGS, str(KERNEL_SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"could not build the GGUF block kernels in {folder} ({exc})"
+            if done.returncode != 0:
+                error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+                return f"the GGUF block kernels do not build here ({error.strip()})"
+            os.replace(partial, library)  # atomic: a concurrent builder's copy is the same
+            log.info("built the GGUF block kernels: %s", library)
+    kernels = ctypes.CDLL(str(library))
+    for symbol in _SYMBOLS.values():
+        function = getattr(kernels, symbol)
+        function.restype = None
+        function.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ]
+    return kernels
+
+
+def block_kernels() -> ctypes.CDLL:
+    """The compiled block kernels (built on first call); ``NotImplementedError`` where they cannot be."""
+    kernels = _kernels()
+    if isinstance(kernels, str):
+        raise NotImplementedError(kernels)
+    return kernels
+
+
+def blocks_unsupported(model: Any, gguf_file: Path | None) -> str | None:
+    """Why ``model`` cannot run on its GGUF file's blocks here, or None when it may (the blocks
+    themselves are checked when they are read)."""
+    if gguf_file is None:
+        return "the model was not read from a GGUF file"
+    reason = fused_unsupported(model)
+    if reason is not None:
+        return reason
+    weight = model.get_output_embeddings().weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"the GGUF block kernels take float32 rows on a CPU (the model is {weight.dtype} on {weight.device})"
+    kernels = _kernels()
+    return kernels if isinstance(kernels, str) else None
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One weight matrix [outputs, inputs] as blocks of 32 along its inputs."""
+
+    kind: str  # one of BLOCK_TYPES
+    codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0: int8 [outputs, inputs / 32, 32]
+    scales: torch.Tensor  # float32 [outputs, inputs / 32]
+    mins: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_0: zeros, unused)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+
+    def dequantised(self) -> torch.Tensor:
+        """The float32 weights, rounded as the GGUF reader rounds them (a product, then a sum)."""
+        if self.kind == "Q4_1":
+            codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1).float()
+            return (self.scales[..., None] * codes + self.mins[..., None]).reshape(self.shape)
+        return (self.scales[..., None] * self.codes.float()).reshape(self.shape)
+
+    def rows(self, order: torch.Tensor) -> "Blocks":
+        return Blocks(self.kind, self.codes[order].contiguous(), self.scales[order].contiguous(), self.mins[order].contiguous())
+
+    @staticmethod
+    def stack(parts: Sequence["Blocks"]) -> "Blocks":
+        return Blocks(parts[0].kind, *(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales", "mins")))
+
+
+def _read(tensor: Any) -> Blocks | None:
+    """A GGUF tensor's blocks (None for other types)."""
+    kind = tensor.tensor_type.name
+    if kind not in BLOCK_TYPES:
+        return None
+    raw = np.asarray(tensor.data)
+    outputs = raw.shape[0]
+    width = 20 if kind == "Q4_1" else 34  # bytes per block: float16 scale (and min), then the codes
+    raw = raw.reshape(outputs, -1, width)
+    scales = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q4_1":
+        mins = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        codes = torch.from_numpy(raw[..., 4:].copy())
+    else:
+        mins = torch.zeros_like(scales)
+        codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8))
+    return Blocks(kind, codes.contiguous(), scales.contiguous(), mins.contiguous())
+
+
+def _llama_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
+    """(GGUF tensor name, the loaded weight, heads whose rows llama.cpp's converter interleaved)."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    names = []
+    for i, layer in enumerate(model.model.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        names += [
+            (f"blk.{i}.attn_q.weight", attention.q_proj.weight, heads),
+            (f"blk.{i}.attn_k.weight", attention.k_proj.weight, kv_heads),
+            (f"blk.{i}.attn_v.weight", attention.v_proj.weight, None),
+            (f"blk.{i}.attn_output.weight", attention.o_proj.weight, None),
+            (f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight, None),
+            (f"blk.{i}.ffn_up.weight", mlp.up_proj.weight, None),
+            (f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, None),
+        ]
+    names.append(("output.weight", model.get_output_embeddings().weight, None))
+    return names
+
+
+def _unpermuted(blocks: Blocks, heads: int) -> Blocks:
+    """Undo llama.cpp's converter, which stores each head's query/key rows with the two rotary halves
+    interleaved (transformers' GGUF reader undoes it the same way)."""
+    outputs = blocks.shape[0]
+    order = torch.arange(outputs).reshape(heads, outputs // heads // 2, 2).transpose(1, 2).reshape(outputs)
+    return blocks.rows(order)
+
+
+class GGUFBlocks:
+    """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
+
+    ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
+    blocks where every stacked weight has them, else with ``fallback`` (oneDNN-packed float32)."""
+
+    def __init__(self, model: Any, gguf_file: Path, fallback: LinearFactory) -> None:
+        reason = blocks_unsupported(model, gguf_file)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        import gguf
+
+        self.kernels = block_kernels()
+        self.fallback = fallback
+        tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+        self.blocks: dict[int, Blocks] = {}  # id(loaded weight) -> its blocks
+        for name, weight, heads in _llama_names(model):
+            tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
+            if tensor is None:
+                raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
+            blocks = _read(tensor)
+            if blocks is None:
+                continue  # float or another block type: oneDNN takes this weight
+            with torch.no_grad():
+                candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
+                match = next((b for b in candidates if b.shape == tuple(weight.shape) and torch.equal(b.dequantised(), weight.detach())), None)
+            if match is None:
+                raise NotImplementedError(f"{gguf_file.name}'s {name} does not dequantise to the loaded weight")
+            self.blocks[id(weight)] = match
+        if not self.blocks:
+            raise NotImplementedError(f"{gguf_file.name} has no {' or '.join(BLOCK_TYPES)} weights")
+        self.kinds = sorted({b.kind for b in self.blocks.values()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a pass streams from the blocks (codes, float32 scales and minimums)."""
+        return sum(b.codes.nbytes + b.scales.nbytes + (b.mins.nbytes if b.kind == "Q4_1" else 0) for b in self.blocks.values())
+
+    def linear(self, weights: Sequence[torch.Tensor]) -> Linear:
+        """``x @ W.T`` for ``weights`` stacked along their outputs."""
+        parts = [self.blocks.get(id(w)) for w in weights]
+        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+            return self.fallback(weights)
+        return block_product(Blocks.stack(parts), self.kernels)
+
+
+def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None) -> Linear:
+    """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
+    function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind])
+    outputs, inputs = blocks.shape
+    codes, scales, mins = blocks.codes, blocks.scales, blocks.mins  # held by the closure
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != inputs:
+            raise ValueError(f"the block product takes float32 CPU rows of {inputs}, not {x.dtype} {tuple(x.shape)} on {x.device}")
+        rows = x.reshape(-1, inputs).contiguous()
+        out = torch.empty(rows.shape[0], outputs)
+        function(rows.data_ptr(), rows.shape[0], inputs, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), outputs, torch.get_num_threads())
+        return out.reshape(*x.shape[:-1], outputs)
+
+    return product

@@ -1,0 +1,145 @@
+"""The target pass on the GGUF file's own blocks (``agentspec.engine.blocks``, ``weights="gguf"``):
+the blocks dequantise to the loaded weights bit for bit, the compiled products are row- and
+thread-invariant and agree with float32 products, the pass gives the model's logits, and it is
+refused, with a reason, where it cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentspec.engine import Engine
+from agentspec.engine.blocks import BLOCK_TYPES, Blocks, GGUFBlocks, block_product, blocks_unsupported
+from agentspec.engine.kv import KVLayout
+from agentspec.engine.packed import check_packed, use_packed_attention
+from agentspec.engine.weights import onednn_linear, select_weights
+from agentspec.errors import ModelLoadError
+
+from .conftest import tiny_model
+
+
+def _reason(loaded) -> str | None:
+    return blocks_unsupported(loaded.model, loaded.gguf_file)
+
+
+@pytest.fixture(scope="module")
+def gguf_blocks(loaded):
+    if _reason(loaded) is not None:
+        pytest.skip(f"the GGUF block pass cannot run here: {_reason(loaded)}")
+    return GGUFBlocks(loaded.model, loaded.gguf_file, fallback=onednn_linear)
+
+
+def _random_blocks(kind: str, outputs: int, inputs: int, seed: int) -> Blocks:
+    generator = torch.Generator().manual_seed(seed)
+    blocks = inputs // 32
+    scales = (torch.rand(outputs, blocks, generator=generator) * 0.02).half().float()
+    if kind == "Q4_1":
+        codes = torch.randint(0, 256, (outputs, blocks, 16), generator=generator, dtype=torch.uint8)
+        mins = (-torch.rand(outputs, blocks, generator=generator) * 0.1).half().float()
+    else:
+        codes = torch.randint(-128, 128, (outputs, blocks, 32), generator=generator, dtype=torch.int8)
+        mins = torch.zeros_like(scales)
+    return Blocks(kind, codes, scales, mins)
+
+
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 1003)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_block_products_are_row_and_thread_invariant(gguf_blocks, kind, shape):
+    """A row's result is the same bits alone, as the k-th of up to 20 rows (tiles of 8 and their
+    remainders), moved, or computed on another number of threads; and it is the float32 product
+    of the dequantised weights up to the order of its sums."""
+    inputs, outputs = shape  # 1003 outputs: an odd last tile
+    blocks = _random_blocks(kind, outputs, inputs, seed=outputs)
+    product = block_product(blocks)
+    x = torch.randn(20, inputs, generator=torch.Generator().manual_seed(1))
+    everything = product(x)
+    torch.testing.assert_close(everything, x @ blocks.dequantised().T, rtol=1e-5, atol=1e-4)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(20)])
+    assert torch.equal(alone, everything)
+    for rows in (2, 7, 8, 9, 17):
+        assert torch.equal(product(x[20 - rows :]), everything[20 - rows :]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(product(x), everything)
+    finally:
+        torch.set_num_threads(threads)
+    assert product(x[:0]).shape == (0, outputs)
+
+
+def test_default_models_blocks_are_its_weights(loaded, gguf_blocks):
+    """Every linear weight of the default model has blocks (Q4_1; the tied LM head Q8_0) that
+    dequantise to it bit for bit — GGUFBlocks refuses the file otherwise — in a fifth of the bytes."""
+    model = loaded.model
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(gguf_blocks.blocks) == len(linears) == 30 * 7 + 1
+    assert gguf_blocks.kinds == ["Q4_1", "Q8_0"]
+    float_bytes = sum(w.numel() * 4 for w in linears)
+    assert gguf_blocks.nbytes < float_bytes / 4, (gguf_blocks.nbytes, float_bytes)
+    q = model.model.layers[3].self_attn.q_proj.weight  # rows llama.cpp's converter reordered
+    assert torch.equal(gguf_blocks.blocks[id(q)].dequantised(), q.detach())
+
+
+def test_blocks_of_another_model_are_refused(loaded):
+    """A file whose tensors are not the loaded weights (here: the default file against a tiny model
+    of another shape) is refused before anything runs."""
+    if _reason(loaded) is not None:
+        pytest.skip(f"the GGUF block pass cannot run here: {_reason(loaded)}")
+    tiny = tiny_model(loaded, seed=7)
+    with pytest.raises(NotImplementedError, match="does not dequantise to the loaded weight"):
+        GGUFBlocks(tiny.model, loaded.gguf_file, fallback=onednn_linear)
+
+
+def test_gguf_pass_is_refused_with_a_reason_where_it_cannot_run(loaded):
+    tiny = tiny_model(loaded, seed=8)  # built in memory: no file
+    assert blocks_unsupported(tiny.model, None) == "the model was not read from a GGUF file"
+    with pytest.raises(ModelLoadError, match="weights='gguf' cannot run here: the model was not read from a GGUF file"):
+        Engine(tiny, weights="gguf")
+    half = dataclasses.replace(tiny, model=tiny.model.to(torch.bfloat16), dtype=torch.bfloat16, gguf_file=loaded.gguf_file)
+    assert "float32 rows on a CPU" in blocks_unsupported(half.model, half.gguf_file)
+
+
+@torch.inference_mode()
+def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
+    """The pass on the blocks is the loaded model to float32 rounding (the same weights; the sums in
+    another order), so ``"auto"`` may pick it; the greedy choice matches the fused pass's on a real
+    prompt."""
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    use_packed_attention(model)
+    chosen = select_weights(model, layout, "gguf", loaded.gguf_file)
+    assert chosen.name == "gguf" and chosen.tolerance is None
+    assert check_packed(model, layout, forward=chosen.forward) <= 1e-3
+    from agentspec.engine.kv import KVBlock
+    from agentspec.engine.packed import PackedRow
+
+    ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    on_blocks = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    fused = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    assert (on_blocks - fused).abs().max().item() < 1e-3
+    assert torch.equal(on_blocks.argmax(-1), fused.argmax(-1))
+
+
+def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tmp_path):
+    """First use compiles the kernels into ``$AGENTSPEC_CACHE_DIR/kernels`` (the next process
+    reuses the library); without a working compiler the pass says why instead."""
+    probe = "from agentspec.engine.blocks import blocks_unsupported, _kernels; r = _kernels(); print(r if isinstance(r, str) else 'built')"
+    env = {**os.environ, "AGENTSPEC_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    if first.stdout.strip() != "built":
+        pytest.skip(f"the block kernels do not build on this machine: {first.stdout.strip() or first.stderr[-300:]}")
+    libraries = list(Path(tmp_path, "kernels").glob("blocks-*.so"))
+    assert len(libraries) == 1
+    built_at = libraries[0].stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", probe], env={**env, "CC": "/nonexistent/cc"}, capture_output=True, text=True, timeout=300)
+    # another compiler is another key: without one that runs, the pass is refused with the reason
+    assert "does not run" in again.stdout, again.stdout + again.stderr
+    assert libraries[0].stat().st_mtime_ns == built_at
+    reused = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert reused.stdout.strip() == "built" and list(Path(tmp_path, "kernels").glob("blocks-*.so")) == libraries
+    assert libraries[0].stat().st_mtime_ns == built_at  # reused, not rebuilt
