@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import BLOCK_TYPES, Blocks, GGUFBlocks, block_product, blocks_unsupported
+from agentspec.engine.blocks import BLOCK_TYPES, BlockLlamaPass, Blocks, GGUFBlocks, block_product, blocks_unsupported
+from agentspec.engine.fused import FusedLlamaPass
 from agentspec.engine.kv import KVLayout
 from agentspec.engine.packed import check_packed, use_packed_attention
 from agentspec.engine.weights import onednn_linear, select_weights
@@ -118,11 +119,14 @@ def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
     from agentspec.engine.kv import KVBlock
     from agentspec.engine.packed import PackedRow
 
+    assert isinstance(chosen.forward, BlockLlamaPass)  # every layer product of the default model has blocks
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     on_blocks = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     fused = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
-    assert (on_blocks - fused).abs().max().item() < 1e-3
-    assert torch.equal(on_blocks.argmax(-1), fused.argmax(-1))
+    in_python = FusedLlamaPass(model, gguf_blocks.linear)([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    for other in (fused, in_python):  # the compiled layers against the same operations from Python
+        assert (on_blocks - other).abs().max().item() < 1e-3
+        assert torch.equal(on_blocks.argmax(-1), other.argmax(-1))
 
 
 def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tmp_path):

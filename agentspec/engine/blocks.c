@@ -14,52 +14,64 @@
 
 #include <immintrin.h>
 #include <stddef.h>
+#include <omp.h>
 #include <stdint.h>
 
 #ifndef __AVX512F__
 #error "the GGUF block kernels need AVX-512 (AVX512F)"
 #endif
 
-#define NT 2 /* outputs per tile: each block's weights are dequantised once for up to MR rows */
-#define MR 8 /* rows per tile */
-
+#define MR 8    /* rows per tile, at most */
+#define MAXC 8  /* outputs per tile, at most: 8 for one row, down to 2 for 5-8 rows (registers) */
 #define UNROLL _Pragma("GCC unroll 16")
 
-/* One tile: outputs n .. n + nt - 1 for `rows` rows (a compile-time constant at every call site,
-   so the row loop unrolls). The macro's argument dequantises block b of output n + t into w0[t]
-   (its weights 0..15) and w1[t] (16..31). */
+/* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
+   latency of the multiply-adds, few enough to stay in the 32 vector registers. It does not change
+   any (row, output) pair's arithmetic. */
+static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 6 : rows <= 4 ? 4 : 2; }
+
+/* One tile: outputs n .. n + nt - 1 for `rows` rows (compile-time constants at every call site, so
+   the loops unroll and the accumulators live in registers). The macro's argument dequantises block
+   b of output n + t into w0[t] (its weights 0..15) and w1[t] (16..31). */
 #define TILE_BODY(...)                                                                              \
-    const int nb = K / 32;                                                                         \
-    __m512 acc[NT][MR];                                                                            \
-    UNROLL for (int t = 0; t < NT; t++) UNROLL for (int r = 0; r < MR; r++) acc[t][r] = _mm512_setzero_ps(); \
+    const int nb = K / 32, cols = tile_outputs(rows);                                              \
+    __m512 acc[MAXC][MR];                                                                          \
+    UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++) acc[t][r] = _mm512_setzero_ps(); \
     for (int b = 0; b < nb; b++) {                                                                 \
-        __m512 w0[NT], w1[NT];                                                                     \
-        UNROLL for (int t = 0; t < NT; t++) {                                                      \
-            const size_t i = (size_t)(n + (t < nt ? t : 0)) * nb + b;                              \
-            __VA_ARGS__                                                                            \
+        __m512 w0[MAXC], w1[MAXC];                                                                 \
+        UNROLL for (int t = 0; t < MAXC; t++) {                                                    \
+            if (t < cols) {                                                                        \
+                const size_t i = (size_t)(n + (t < nt ? t : 0)) * nb + b;                          \
+                __VA_ARGS__                                                                        \
+            }                                                                                      \
         }                                                                                          \
         UNROLL for (int r = 0; r < MR; r++) {                                                      \
             if (r < rows) {                                                                        \
                 const float *xr = x + (size_t)r * K + (size_t)b * 32;                              \
                 const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);              \
-                UNROLL for (int t = 0; t < NT; t++) {                                              \
-                    acc[t][r] = _mm512_fmadd_ps(x0, w0[t], acc[t][r]);                             \
-                    acc[t][r] = _mm512_fmadd_ps(x1, w1[t], acc[t][r]);                             \
+                UNROLL for (int t = 0; t < MAXC; t++) {                                            \
+                    if (t < cols) {                                                                \
+                        acc[t][r] = _mm512_fmadd_ps(x0, w0[t], acc[t][r]);                         \
+                        acc[t][r] = _mm512_fmadd_ps(x1, w1[t], acc[t][r]);                         \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-    UNROLL for (int t = 0; t < NT; t++) UNROLL for (int r = 0; r < MR; r++)                        \
-        if (t < nt && r < rows) y[(size_t)r * N + n + t] = _mm512_reduce_add_ps(acc[t][r]);
+    UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++)                      \
+        if (t < cols && t < nt && r < rows) y[(size_t)r * N + n + t] = _mm512_reduce_add_ps(acc[t][r]);
 
+/* Q4_1 through a table: the block's 16 possible weights d * q + m (q = 0..15, rounded as the GGUF
+   reader rounds them) fill one register, and each code picks its weight (vpermps reads an index's
+   low 4 bits, so the low nibble needs no mask). */
 static inline __attribute__((always_inline)) void q4_1_tile(const float *x, const int rows, int K, const uint8_t *qs,
                                                             const float *d, const float *m, float *y, int N, int n, int nt) {
-    const __m512i low = _mm512_set1_epi32(15);
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     TILE_BODY(
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes16, _mm512_set1_ps(d[i])), _mm512_set1_ps(m[i]));
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 16)));
-        const __m512 scale = _mm512_set1_ps(d[i]), min = _mm512_set1_ps(m[i]);
-        w0[t] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), scale), min);
-        w1[t] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), scale), min);
+        w0[t] = _mm512_permutexvar_ps(codes, table);
+        w1[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
     )
 }
 
@@ -73,25 +85,29 @@ static inline __attribute__((always_inline)) void q8_0_tile(const float *x, cons
     )
 }
 
-/* Outputs split over `threads` (static: a thread's share depends only on N); rows in tiles of MR. */
+/* Rows in chunks of MR; a chunk's outputs in tiles split over `threads` (static: a thread's share
+   depends only on N and the chunk). */
+#define CHUNK(TILE, CODE, ROWS)                                                                    \
+    {                                                                                              \
+        const int cols = tile_outputs(ROWS);                                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
+        for (int n = 0; n < N; n += cols)                                                          \
+            TILE(xr, ROWS, K, (const CODE *)qs, d, m, yr, N, n, N - n < cols ? N - n : cols);      \
+    }
+
 #define PRODUCT(TILE, CODE)                                                                        \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
-    for (int n = 0; n < N; n += NT) {                                                              \
-        const int nt = N - n < NT ? N - n : NT;                                                    \
-        for (int r0 = 0; r0 < M; r0 += MR) {                                                       \
-            const float *xr = x + (size_t)r0 * K;                                                  \
-            float *yr = y + (size_t)r0 * N;                                                        \
-            const CODE *q = (const CODE *)qs;                                                      \
-            switch (M - r0 < MR ? M - r0 : MR) {                                                   \
-            case 1: TILE(xr, 1, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 2: TILE(xr, 2, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 3: TILE(xr, 3, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 4: TILE(xr, 4, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 5: TILE(xr, 5, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 6: TILE(xr, 6, K, q, d, m, yr, N, n, nt); break;                                  \
-            case 7: TILE(xr, 7, K, q, d, m, yr, N, n, nt); break;                                  \
-            default: TILE(xr, 8, K, q, d, m, yr, N, n, nt); break;                                 \
-            }                                                                                      \
+    for (int r0 = 0; r0 < M; r0 += MR) {                                                           \
+        const float *xr = x + (size_t)r0 * K;                                                      \
+        float *yr = y + (size_t)r0 * N;                                                            \
+        switch (M - r0 < MR ? M - r0 : MR) {                                                       \
+        case 1: CHUNK(TILE, CODE, 1) break;                                                        \
+        case 2: CHUNK(TILE, CODE, 2) break;                                                        \
+        case 3: CHUNK(TILE, CODE, 3) break;                                                        \
+        case 4: CHUNK(TILE, CODE, 4) break;                                                        \
+        case 5: CHUNK(TILE, CODE, 5) break;                                                        \
+        case 6: CHUNK(TILE, CODE, 6) break;                                                        \
+        case 7: CHUNK(TILE, CODE, 7) break;                                                        \
+        default: CHUNK(TILE, CODE, 8) break;                                                       \
         }                                                                                          \
     }
 
@@ -101,4 +117,178 @@ void agentspec_q4_1_product(const float *x, int M, int K, const void *qs, const 
 
 void agentspec_q8_0_product(const float *x, int M, int K, const void *qs, const float *d, const float *m, float *y, int N, int threads) {
     PRODUCT(q8_0_tile, int8_t)
+}
+
+/* ---- The decoder layers of a Llama model in one call ------------------------------------------
+   Everything between the embedding and the final norm: per layer RMSNorm, the q/k/v product, the
+   rotary embedding, the new keys and values written to each sequence's block, causal attention of
+   each sequence over its own block, the output product and residual, RMSNorm, the gate/up product,
+   SiLU times up, the down product and residual. The same operations in the same order as the fused
+   pass in Python (fused.py), without ~120 framework calls per pass. Each token's arithmetic
+   depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int kind; /* 0: Q4_1, 1: Q8_0 */
+    const void *codes;
+    const float *scales, *mins;
+} agentspec_blocks;
+
+typedef struct {
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    agentspec_blocks qkv, o, gate_up, down;
+} agentspec_layer;
+
+typedef struct {
+    int start, stop, past, capacity; /* the sequence's new tokens [start, stop) of the pass */
+    float *kv;                       /* its block: [layers, 2, kv_heads, capacity, head_dim] */
+} agentspec_segment;
+
+/* e^x, 16 lanes (Cephes' single-precision polynomial, within 2 ulp; the same bits for a lane
+   whatever its neighbours): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 ~ 1.6e-38: nothing below matters here */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
+    if (w->kind == 0) agentspec_q4_1_product(x, M, K, w->codes, w->scales, w->mins, y, N, threads);
+    else agentspec_q8_0_product(x, M, K, w->codes, w->scales, w->mins, y, N, threads);
+}
+
+/* LlamaRMSNorm of each row: weight * (x * 1/sqrt(mean(x^2) + eps)). */
+static void rms_norm(const float *x, int rows, int H, const float *weight, float eps, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * H;
+        __m512 acc = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= H; i += 16) {
+            const __m512 v = _mm512_loadu_ps(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        float sum = _mm512_reduce_add_ps(acc);
+        for (; i < H; i++) sum += xr[i] * xr[i];
+        const float inverse = 1.0f / sqrtf(sum / (float)H + eps);
+        for (int j = 0; j < H; j++) out[(size_t)r * H + j] = weight[j] * (xr[j] * inverse);
+    }
+}
+
+void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
+                            int layers, const agentspec_layer *weights, const float *cos, const float *sin, float scaling,
+                            const agentspec_segment *segments, int nseg, int threads) {
+    const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    const int groups = heads / kv_heads, half = head_dim / 2;
+    int longest = 0;
+    for (int s = 0; s < nseg; s++)
+        if (segments[s].past + segments[s].stop - segments[s].start > longest) longest = segments[s].past + segments[s].stop - segments[s].start;
+    float *normed = malloc(sizeof(float) * (size_t)T * (H > intermediate ? H : intermediate));
+    float *qkv = malloc(sizeof(float) * (size_t)T * width);
+    float *attn = malloc(sizeof(float) * (size_t)T * q_size);
+    float *up = malloc(sizeof(float) * (size_t)T * 2 * intermediate);
+    float *delta = malloc(sizeof(float) * (size_t)T * H);
+    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * longest);
+    for (int l = 0; l < layers; l++) {
+        const agentspec_layer *w = weights + l;
+        rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
+        blocks_product(&w->qkv, normed, T, H, qkv, width, threads);
+        /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin */
+        for (int t = 0; t < T; t++) {
+            const float *c = cos + (size_t)t * head_dim, *s = sin + (size_t)t * head_dim;
+            for (int h = 0; h < heads + kv_heads; h++) {
+                float *x = qkv + (size_t)t * width + (size_t)h * head_dim;
+                float rotated[head_dim];
+                for (int i = 0; i < half; i++) {
+                    rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+                    rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+                }
+                memcpy(x, rotated, sizeof(float) * head_dim);
+            }
+        }
+        /* this pass's keys and values into each sequence's block */
+        for (int g = 0; g < nseg; g++) {
+            const agentspec_segment *seg = segments + g;
+            for (int t = seg->start; t < seg->stop; t++)
+                for (int h = 0; h < kv_heads; h++) {
+                    const size_t slot = (size_t)(seg->past + t - seg->start) * head_dim;
+                    float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + h) * (size_t)seg->capacity * head_dim;
+                    float *values = seg->kv + (((size_t)l * 2 + 1) * kv_heads + h) * (size_t)seg->capacity * head_dim;
+                    memcpy(keys + slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, sizeof(float) * head_dim);
+                    memcpy(values + slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim, sizeof(float) * head_dim);
+                }
+        }
+        /* causal attention: each (token, head) over its sequence's keys up to its own position */
+        for (int g = 0; g < nseg; g++) {
+            const agentspec_segment *seg = segments + g;
+            const int new = seg->stop - seg->start;
+            #pragma omp parallel for schedule(static) num_threads(threads)
+            for (int job = 0; job < new * heads; job++) {
+                const int t = seg->start + job / heads, h = job % heads, kvh = h / groups;
+                const int seen = seg->past + (t - seg->start) + 1;
+                const float *q = qkv + (size_t)t * width + (size_t)h * head_dim;
+                const float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * (size_t)seg->capacity * head_dim;
+                const float *values = seg->kv + (((size_t)l * 2 + 1) * kv_heads + kvh) * (size_t)seg->capacity * head_dim;
+                float *p = scores + (size_t)omp_get_thread_num() * longest;
+                float top = -INFINITY;
+                for (int s = 0; s < seen; s++) {
+                    const float *k = keys + (size_t)s * head_dim;
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int i = 0; i < head_dim; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+                    p[s] = _mm512_reduce_add_ps(acc) * scaling;
+                    if (p[s] > top) top = p[s];
+                }
+                /* softmax numerators and their sum, 16 scores at a time (the last chunk masked) */
+                __m512 sum16 = _mm512_setzero_ps();
+                const __m512 top16 = _mm512_set1_ps(top);
+                for (int s = 0; s < seen; s += 16) {
+                    const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
+                    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + s), top16));
+                    _mm512_mask_storeu_ps(p + s, live, e);
+                    sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(live, e));
+                }
+                const float total = _mm512_reduce_add_ps(sum16);
+                float *out = attn + (size_t)t * q_size + (size_t)h * head_dim;
+                __m512 sums[8]; /* head_dim <= 128 */
+                for (int i = 0; i < head_dim / 16; i++) sums[i] = _mm512_setzero_ps();
+                for (int s = 0; s < seen; s++) {
+                    const __m512 weight = _mm512_set1_ps(p[s] / total);
+                    const float *v = values + (size_t)s * head_dim;
+                    for (int i = 0; i < head_dim / 16; i++) sums[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * i), sums[i]);
+                }
+                for (int i = 0; i < head_dim / 16; i++) _mm512_storeu_ps(out + 16 * i, sums[i]);
+            }
+        }
+        blocks_product(&w->o, attn, T, q_size, delta, H, threads);
+        for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
+        rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
+        blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads);
+        /* SiLU(gate) * up, gate / (1 + e^-gate) as torch computes it */
+        for (int t = 0; t < T; t++) {
+            const float *gate = up + (size_t)t * 2 * intermediate, *value = gate + intermediate;
+            float *act = normed + (size_t)t * intermediate;
+            int i = 0;
+            for (; i + 16 <= intermediate; i += 16) {
+                const __m512 g = _mm512_loadu_ps(gate + i);
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                _mm512_storeu_ps(act + i, _mm512_mul_ps(silu, _mm512_loadu_ps(value + i)));
+            }
+            for (; i < intermediate; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * value[i];
+        }
+        blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
+        for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
+    }
+    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores);
 }

@@ -40,9 +40,10 @@ import numpy as np
 import torch
 
 from ..model import cache_dir
-from .fused import Linear, LinearFactory, fused_unsupported
+from .fused import FusedLlamaPass, Linear, LinearFactory, fused_unsupported
+from .packed import Segment
 
-__all__ = ["GGUFBlocks", "BLOCK_TYPES", "KERNEL_SOURCE", "block_kernels", "blocks_unsupported"]
+__all__ = ["GGUFBlocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "KERNEL_SOURCE", "block_kernels", "block_product", "blocks_unsupported"]
 
 log = logging.getLogger("agentspec.engine")
 
@@ -245,18 +246,93 @@ class GGUFBlocks:
         return block_product(Blocks.stack(parts), self.kernels)
 
 
-def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None) -> Linear:
+class BlockProduct:
     """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
-    function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind])
-    outputs, inputs = blocks.shape
-    codes, scales, mins = blocks.codes, blocks.scales, blocks.mins  # held by the closure
 
-    def product(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None) -> None:
+        self.blocks = blocks
+        self.function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind])
+        self.outputs, self.inputs = blocks.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        inputs, outputs, blocks = self.inputs, self.outputs, self.blocks
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != inputs:
             raise ValueError(f"the block product takes float32 CPU rows of {inputs}, not {x.dtype} {tuple(x.shape)} on {x.device}")
         rows = x.reshape(-1, inputs).contiguous()
         out = torch.empty(rows.shape[0], outputs)
-        function(rows.data_ptr(), rows.shape[0], inputs, codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(), outputs, torch.get_num_threads())
+        self.function(
+            rows.data_ptr(), rows.shape[0], inputs, blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.mins.data_ptr(),
+            out.data_ptr(), outputs, torch.get_num_threads(),
+        )
         return out.reshape(*x.shape[:-1], outputs)
 
-    return product
+
+def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None) -> Linear:
+    """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
+    return BlockProduct(blocks, kernels)
+
+
+# The C side's structs (blocks.c): one product's blocks, one layer, one sequence's part of a pass.
+class _BlocksArg(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+class _LayerArg(ctypes.Structure):
+    _fields_ = [
+        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
+    ]
+
+
+class _SegmentArg(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int), ("kv", ctypes.c_void_p)]
+
+
+def _blocks_arg(product: Any) -> _BlocksArg:
+    blocks = product.blocks
+    return _BlocksArg(BLOCK_TYPES.index(blocks.kind), blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.mins.data_ptr())
+
+
+class BlockLlamaPass(FusedLlamaPass):
+    """The fused pass on the GGUF blocks with its decoder layers in one call of the compiled code
+    (``agentspec_llama_layers`` in blocks.c): the same operations in the same order, without the
+    ~120 framework calls a pass makes in Python (about half of a 1-position pass on the blocks).
+    Its logits are the loaded model's to float32 rounding (``check_packed``), and row-invariant:
+    each token's arithmetic reads only its own row and its sequence's keys and values."""
+
+    def __init__(self, model: Any, blocks: GGUFBlocks) -> None:
+        super().__init__(model, blocks.linear)
+        if self.head_dim % 16 or self.head_dim > 128 or self.heads % self.kv_heads:
+            raise NotImplementedError(f"the compiled layers take head dims of 16..128 in steps of 16, not {self.head_dim}")
+        products = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
+        if not all(isinstance(product, BlockProduct) for four in products for product in four):
+            raise NotImplementedError("not every linear weight of the decoder layers has Q4_1/Q8_0 blocks in the file")
+        self.scaling = self.layers[0].scaling
+        if any(layer.scaling != self.scaling for layer in self.layers):
+            raise NotImplementedError("the compiled layers take one attention scale for all layers")
+        self.function = blocks.kernels.agentspec_llama_layers
+        self.function.restype = None
+        self.layer_args = (_LayerArg * len(self.layers))(
+            *(
+                _LayerArg(
+                    layer.norm1.data_ptr(), layer.norm2.data_ptr(), layer.eps1, layer.eps2,
+                    *(_blocks_arg(product) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                )
+                for layer in self.layers
+            )
+        )
+        for layer in self.layers:  # the C side reads the norms' memory directly
+            assert layer.norm1.is_contiguous() and layer.norm2.is_contiguous() and layer.norm1.dtype == torch.float32
+
+    def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        hidden = hidden.contiguous().clone()  # written in place
+        cos, sin = cos.contiguous(), sin.contiguous()
+        args = (_SegmentArg * len(segments))(
+            *(_SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.data.data_ptr()) for s in segments)
+        )
+        self.function(
+            ctypes.c_void_p(hidden.data_ptr()), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim,
+            self.intermediate, len(self.layers), self.layer_args, ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()),
+            ctypes.c_float(self.scaling), args, len(segments), torch.get_num_threads(),
+        )
+        return hidden

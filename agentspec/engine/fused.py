@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .packed import PackedRow, attend, finish_rows, pack_rows, store_kv, wants_features
+from .packed import PackedRow, Segment, attend, finish_rows, pack_rows, store_kv, wants_features
 
 __all__ = ["FusedLlamaPass", "fused_unsupported", "FUSED_MODEL_TYPES", "Linear", "LinearFactory"]
 
@@ -109,13 +109,23 @@ class FusedLlamaPass:
 
     @torch.inference_mode()
     def __call__(self, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        inputs = pack_rows(rows, heads // kv_heads)
-        segments = inputs.segments
-        tokens = inputs.input_ids.shape[1]
+        inputs = pack_rows(rows, self.heads // self.kv_heads)
         hidden = F.embedding(inputs.input_ids[0], self.embed)  # [T, hidden]
         cos, sin = self.rotary(hidden[None], inputs.position_ids)
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim], broadcast over heads
+        hidden = self.decoder_layers(hidden, cos[0], sin[0], inputs.segments)
+        if wants_features(rows):  # every token's normed hidden state, of which the kept ones get logits
+            normed = _rms_norm(hidden, self.norm, self.eps)
+            return finish_rows(rows, self.head(normed[inputs.keep]), normed)
+        logits = self.head(_rms_norm(hidden[inputs.keep], self.norm, self.eps))
+        return finish_rows(rows, logits)
+
+    def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The decoder layers over the pass's tokens: embeddings [T, hidden] in, the last layer's
+        output out; ``cos``/``sin`` [T, head_dim] are the tokens' rotary angles. Each sequence's
+        new keys and values go into its block."""
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        tokens = hidden.shape[0]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms_norm(hidden, layer.norm1, layer.eps1))
@@ -129,8 +139,4 @@ class FusedLlamaPass:
             hidden = hidden + layer.o(attention.reshape(tokens, q_size))
             gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2, layer.eps2))
             hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
-        if wants_features(rows):  # every token's normed hidden state, of which the kept ones get logits
-            normed = _rms_norm(hidden, self.norm, self.eps)
-            return finish_rows(rows, self.head(normed[inputs.keep]), normed)
-        logits = self.head(_rms_norm(hidden[inputs.keep], self.norm, self.eps))
-        return finish_rows(rows, logits)
+        return hidden

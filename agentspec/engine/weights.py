@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import GGUFBlocks, blocks_unsupported
+from .blocks import BlockLlamaPass, GGUFBlocks, blocks_unsupported
 from .fused import FusedLlamaPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
@@ -215,7 +215,12 @@ def _build(model: Any, name: str, gguf_file: Path | None = None) -> PassFunction
         reason = blocks_unsupported(model, gguf_file) or onednn_supported(model)
         if reason is not None:
             raise NotImplementedError(reason)
-        return FusedLlamaPass(model, GGUFBlocks(model, gguf_file, fallback=onednn_linear).linear)
+        blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear)
+        try:  # the decoder layers in one compiled call where every layer product has blocks
+            return BlockLlamaPass(model, blocks)
+        except NotImplementedError as exc:
+            log.info("GGUF blocks: the layers run from Python (%s)", exc)
+            return FusedLlamaPass(model, blocks.linear)
     if name in ("eager", "onednn"):
         use_packed_attention(model)
         return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
