@@ -29,10 +29,15 @@ async def test_each_source_alone_and_mixed_equals_plain(client, plain_outputs, n
     done = await client.generate(work.messages, max_tokens=24, speculative=spec, **work.params)
     assert done.token_ids == plain_outputs[name]
     assert set(done.stats.accepted_by_source) <= set(sources), done.stats.accepted_by_source
-    drafting = set(sources) & ({"grammar", "ngram", "suffix", "model"} if work.constrained else {"ngram", "suffix", "model"})
-    # every allowed source that can propose here does: the tool call's envelope is forced text, the
-    # suffix cache holds this very output from an earlier request (the fixture's, or the last test's),
-    # and the default client's "model" source is the shipped draft head
-    assert done.stats.accepted_tokens > 0 if drafting else done.stats.drafted_tokens == 0
+    drafting = set(sources) & ({"grammar", "ngram", "suffix"} if work.constrained else {"ngram", "suffix"})
+    # every allowed lookup that can propose here does: the tool call's envelope is forced text, the
+    # suffix cache holds this very output from an earlier request (the fixture's, or the last test's).
+    # The "model" source (the shipped draft head) runs only where the arbiter predicts it pays, which
+    # depends on the pass's measured costs (on the GGUF pass here it rarely does);
+    # test_draft_head.py pins it to check its drafts.
+    if drafting:
+        assert done.stats.accepted_tokens > 0
+    elif "model" not in sources:
+        assert done.stats.drafted_tokens == 0
     if "suffix" in sources:
         assert done.stats.accepted_by_source.get("suffix", 0) > 0
