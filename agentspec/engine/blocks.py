@@ -9,9 +9,13 @@ by those blocks directly, rounding each weight exactly as the GGUF reader dequan
 products are those of the loaded float32 weights (the sums in another order: within float32
 rounding of the model's own logits, like oneDNN's). It is row-invariant by construction (each
 output is one accumulator taking the same operations whatever shares the call), which verification
-needs. Measured here (2 cores, all products of a pass, weights streamed from memory): 1/2/4/8 rows
-10.6/12.1/13.4/21.0 ms against 30.5/30.9/24.8/29.2 ms on oneDNN-packed float32 weights; past 16 rows
-(long prompts) it is slower than oneDNN's GEMM, 1.5× at 256.
+needs. ``BlockLlamaPass`` runs the decoder layers around them in one compiled call as well.
+
+Measured here (2-core AMD EPYC Zen 4; the decoder layers' products, weights streamed from memory,
+best of 15): 1/2/4/8/16/64 rows 4.5/5.1/7.0/11.3/21.2/80.7 ms, where oneDNN-packed float32 weights
+took 25–31 ms for 1–8 rows (with the LM head). From a few rows on the kernels are bound by
+multiply-adds, not bytes (84 G/s at 64 rows, about two Zen 4 cores' peak for 512-bit FMAs), so a
+512-token prefill takes a little longer than on oneDNN's GEMM (924–963 against 817–859 ms).
 
 The kernels are C (AVX-512), compiled on first use with the machine's C compiler (``$CC``, else
 ``cc``) for this CPU and cached under ``$AGENTSPEC_CACHE_DIR/kernels`` (about a second); where
