@@ -245,11 +245,12 @@ async def test_api_key_is_required(server, model):
 
 async def test_full_queue_is_429(api, http, model):
     await wait_idle(http, within_s=30)
-    request = dict(model=model, messages=STORY, max_tokens=64, stream=True)
+    # long enough that neither finishes before the third arrives (the engine decodes ~100 tok/s here)
+    request = dict(model=model, messages=STORY, max_tokens=1024, stream=True)
     streams = [await api.chat.completions.create(**request) for _ in range(MAX_QUEUED)]  # each submitted before its headers
     try:
         with pytest.raises(openai.RateLimitError) as refused:
-            await api.chat.completions.create(**request)
+            streams.append(await api.chat.completions.create(**request))  # closed below should it be accepted
         assert refused.value.body["code"] == "engine_overloaded"
     finally:
         for stream in streams:
