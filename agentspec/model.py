@@ -196,9 +196,9 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
     except ImportError as exc:  # pragma: no cover - a dependency of the package
         raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
     source, kwargs = _sources(ref)
-    source_file = str(Path(source, kwargs["gguf_file"])) if "gguf_file" in kwargs else None
-    name = str(ref or Path(source, kwargs["gguf_file"]).name)
-    snapshot = snapshot_path(Path(source, kwargs["gguf_file"]), dtype) if "gguf_file" in kwargs else None
+    gguf_file = Path(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+    name = str(ref or gguf_file.name)
+    snapshot = snapshot_path(gguf_file, dtype) if gguf_file is not None else None
     if snapshot is not None and (snapshot / SNAPSHOT_WEIGHTS).exists():
         source, kwargs = str(snapshot), {}
     elif "gguf_file" in kwargs and importlib.util.find_spec("gguf") is None:
@@ -242,7 +242,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         stop_token_ids=_stop_token_ids(model, tokenizer),
         token_bytes=token_bytes_table(tokenizer, vocab_size),
         chat=ChatFormat(tokenizer),
-        gguf_file=Path(source_file) if source_file else None,
+        gguf_file=gguf_file,
     )
 
 

@@ -17,8 +17,8 @@ import torch
 from agentspec.engine import Engine
 from agentspec.engine.blocks import BLOCK_TYPES, BlockLlamaPass, Blocks, GGUFBlocks, block_product, blocks_unsupported
 from agentspec.engine.fused import FusedLlamaPass
-from agentspec.engine.kv import KVLayout
-from agentspec.engine.packed import check_packed, use_packed_attention
+from agentspec.engine.kv import KVBlock, KVLayout
+from agentspec.engine.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.engine.weights import onednn_linear, select_weights
 from agentspec.errors import ModelLoadError
 
@@ -116,9 +116,6 @@ def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
     chosen = select_weights(model, layout, "gguf", loaded.gguf_file)
     assert chosen.name == "gguf" and chosen.tolerance is None
     assert check_packed(model, layout, forward=chosen.forward) <= 1e-3
-    from agentspec.engine.kv import KVBlock
-    from agentspec.engine.packed import PackedRow
-
     assert isinstance(chosen.forward, BlockLlamaPass)  # every layer product of the default model has blocks
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     on_blocks = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]

@@ -13,9 +13,12 @@
    depend on how many positions or sequences share its pass. */
 
 #include <immintrin.h>
-#include <stddef.h>
+#include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #ifndef __AVX512F__
 #error "the GGUF block kernels need AVX-512 (AVX512F)"
@@ -126,10 +129,6 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *qs, const 
    SiLU times up, the down product and residual. The same operations in the same order as the fused
    pass in Python (fused.py), without ~120 framework calls per pass. Each token's arithmetic
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
-
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 typedef struct {
     int kind; /* 0: Q4_1, 1: Q8_0 */

@@ -63,6 +63,22 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+# The C side's structs (blocks.c): one product's blocks, one layer, one sequence's part of a pass.
+class _BlocksArg(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+
+
+class _LayerArg(ctypes.Structure):
+    _fields_ = [
+        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+        ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
+    ]
+
+
+class _SegmentArg(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int), ("kv", ctypes.c_void_p)]
+
+
 @functools.cache
 def _kernels() -> ctypes.CDLL | str:
     """The compiled kernels, or why there are none here."""
@@ -96,12 +112,15 @@ def _kernels() -> ctypes.CDLL | str:
             os.replace(partial, library)  # atomic: a concurrent builder's copy is the same
             log.info("built the GGUF block kernels: %s", library)
     kernels = ctypes.CDLL(str(library))
-    for symbol in _SYMBOLS.values():
-        function = getattr(kernels, symbol)
-        function.restype = None
-        function.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ]
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    for symbol in _SYMBOLS.values():  # (x, M, K, codes, scales, mins, y, N, threads)
+        getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, integer, integer]
+    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, threads)
+    kernels.agentspec_llama_layers.argtypes = [
+        pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer,
+    ]
+    for symbol in (*_SYMBOLS.values(), "agentspec_llama_layers"):
+        getattr(kernels, symbol).restype = None
     return kernels
 
 
@@ -276,22 +295,6 @@ def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None) -> Linear:
     return BlockProduct(blocks, kernels)
 
 
-# The C side's structs (blocks.c): one product's blocks, one layer, one sequence's part of a pass.
-class _BlocksArg(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
-
-
-class _LayerArg(ctypes.Structure):
-    _fields_ = [
-        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
-        ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
-    ]
-
-
-class _SegmentArg(ctypes.Structure):
-    _fields_ = [("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int), ("kv", ctypes.c_void_p)]
-
-
 def _blocks_arg(product: Any) -> _BlocksArg:
     blocks = product.blocks
     return _BlocksArg(BLOCK_TYPES.index(blocks.kind), blocks.codes.data_ptr(), blocks.scales.data_ptr(), blocks.mins.data_ptr())
@@ -314,8 +317,9 @@ class BlockLlamaPass(FusedLlamaPass):
         self.scaling = self.layers[0].scaling
         if any(layer.scaling != self.scaling for layer in self.layers):
             raise NotImplementedError("the compiled layers take one attention scale for all layers")
+        for layer in self.layers:  # the C side reads the norms' memory directly
+            assert all(norm.is_contiguous() and norm.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
         self.function = blocks.kernels.agentspec_llama_layers
-        self.function.restype = None
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
@@ -325,8 +329,6 @@ class BlockLlamaPass(FusedLlamaPass):
                 for layer in self.layers
             )
         )
-        for layer in self.layers:  # the C side reads the norms' memory directly
-            assert layer.norm1.is_contiguous() and layer.norm2.is_contiguous() and layer.norm1.dtype == torch.float32
 
     def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
@@ -335,8 +337,7 @@ class BlockLlamaPass(FusedLlamaPass):
             *(_SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.data.data_ptr()) for s in segments)
         )
         self.function(
-            ctypes.c_void_p(hidden.data_ptr()), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim,
-            self.intermediate, len(self.layers), self.layer_args, ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()),
-            ctypes.c_float(self.scaling), args, len(segments), torch.get_num_threads(),
+            hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim, self.intermediate,
+            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), self.scaling, args, len(segments), torch.get_num_threads(),
         )
         return hidden
