@@ -2,9 +2,13 @@
 
 Not a pytest module (CI has no GPU). It runs the same engine code as on CPU with device="cuda":
 1. equivalence: every prompt decoded plainly alone, speculatively alone, and both ways in one batch,
-   in bf16 (the CUDA default) and fp32; token ids compared, first difference reported;
-2. single-stream speed against transformers' generate (plain and prompt lookup), same process;
-3. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT.
+   in bf16 (the CUDA default) and fp32, on the pass "auto" picks and on the static pass (key/value
+   pool, one attention call per layer, CUDA graphs); token ids compared, first difference reported;
+2. the static pass against the fused one: pass times by rows × positions (target: one position of
+   one sequence ≤ 3 ms), graphs captured (one per shape: repeating a shape captures nothing more),
+   capture failures;
+3. single-stream speed against transformers' generate (plain and prompt lookup), same process;
+4. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT.
 Results are printed and written to ``DIR/cuda_check.json`` after each part (a timeout keeps what ran).
 It also runs on CPU (``--device cpu``) with small settings, to check the script itself.
 """
@@ -23,6 +27,9 @@ import torch
 import agentspec
 from agentspec.bench import WORKLOADS, run_bench, run_concurrency, second_turn_ttft, workload
 from agentspec.engine import Engine, Sequence
+from agentspec.engine.kv import KVBlock, KVLayout
+from agentspec.engine.packed import PackedRow
+from agentspec.engine.weights import fastest_pass_ms, select_weights
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
@@ -34,9 +41,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def equivalence(model: str | None, device: str, dtype: str, max_tokens: int) -> dict:
+def equivalence(model: str | None, device: str, dtype: str, max_tokens: int, weights: str = "auto") -> dict:
     loaded = load_model(model, device=device, dtype=dtype)
-    engine = Engine(loaded)
+    engine = Engine(loaded, weights=weights)
     engine.calibrate()
     prompts = [loaded.chat.encode(w.messages) for w in WORKLOADS if not w.constrained]
 
@@ -73,7 +80,38 @@ def equivalence(model: str | None, device: str, dtype: str, max_tokens: int) -> 
         "batched_plain_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_plain)],
         "batched_speculative_vs_plain": [first_difference(p, b) for p, b in zip(plain, batch_spec)],
         "pass_ms_by_positions": {p: round(engine.costs.cost(p), 2) for p in (1, 2, 4, 8, 17, 32, 64)},
-        "target_pass": {"chosen": engine.weights.name, "reason": engine.weights.reason},  # eager vs fused, timed there
+        "target_pass": {"chosen": engine.weights.name, "reason": engine.weights.reason},  # the candidates, timed there
+        "graphs_captured": getattr(engine.forward, "captured", None),
+        "graph_failures": getattr(engine.forward, "graph_failures", None),
+    }
+
+
+def static_pass(model: str | None, device: str, dtype: str, shapes: list[tuple[int, int]], context: int = 200) -> dict:
+    """The static pass against the fused one, by (sequences, positions each) over ``context`` tokens."""
+    loaded = load_model(model, device=device, dtype=dtype)
+    layout = KVLayout.of(loaded.model)
+    passes = {name: select_weights(loaded.model, layout, name).forward for name in ("fused", "static")}
+    timings: dict[str, float] = {}
+    for name, forward in passes.items():
+        for sequences, positions in shapes:
+            blocks = [KVBlock(layout) for _ in range(sequences)]
+            forward([PackedRow(b, list(range(100, 100 + context)), 1) for b in blocks])
+            rows = [PackedRow(b, [100] * positions, positions) for b in blocks]
+            timings[f"{name} {sequences}x{positions}"] = round(fastest_pass_ms(forward, rows, 10), 3)
+    static = passes["static"]
+    captured = static.captured
+    block = KVBlock(layout)
+    static([PackedRow(block, list(range(100, 100 + context)), 1)])
+    for _ in range(20):  # one shape again and again: replayed, never captured anew
+        static([PackedRow(block, [100], 1)])
+    return {
+        "dtype": str(loaded.dtype),
+        "pass_ms": timings,
+        "captured": static.captured,
+        "captured_by_20_more_plain_steps": static.captured - captured,  # 0: the shape was captured in the timings
+        "graph_failures": static.graph_failures,
+        "pool_sequences": static.pool.sequences,
+        "pool_capacity": static.pool.capacity,
     }
 
 
@@ -101,7 +139,7 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--levels", default="1,2,4,8,16")
+    parser.add_argument("--levels", default="1,8,32")
     args = parser.parse_args()
     out = Path(args.out) / "cuda_check.json"
     report: dict = {"torch": torch.__version__, "device": args.device}
@@ -113,9 +151,15 @@ def main() -> None:
         print(json.dumps(report)[-3000:], flush=True)
 
     started = time.perf_counter()
-    for dtype in ("bfloat16", "float32") if args.device.startswith("cuda") else ("float32",):
+    cuda = args.device.startswith("cuda")
+    for dtype in ("bfloat16", "float32") if cuda else ("float32",):
         report[f"equivalence_{dtype}"] = equivalence(args.model, args.device, dtype, max_tokens=args.max_tokens or 48)
         save()
+    report["equivalence_static"] = equivalence(args.model, args.device, "auto", max_tokens=args.max_tokens or 48, weights="static")
+    save()
+    shapes = [(1, 1), (1, 8), (8, 1), (8, 8), (32, 1), (32, 8)] if cuda else [(1, 1), (1, 8), (4, 1)]
+    report["static_pass"] = static_pass(args.model, args.device, "auto", shapes)
+    save()
     levels = [int(n) for n in args.levels.split(",")]
     asyncio.run(speed(args.model, args.device, args.max_tokens, args.repeats, levels, report, save))
     report["seconds"] = round(time.perf_counter() - started, 1)

@@ -19,6 +19,7 @@ from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
 from agentspec.engine.weights import (
     CANDIDATES,
+    GPU_CANDIDATES,
     REDUCED,
     OneDNNLinear,
     bf16_supported,
@@ -90,7 +91,8 @@ def test_select_weights_measures_caches_and_explains(loaded):
     assert eager.name == "eager" and eager.reason == "requested"
     auto = select_weights(tiny, layout, "auto")
     # every candidate but the GGUF blocks, which need the file the model was read from
-    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf"} and "gguf: the model was not read from a GGUF file" in auto.reason
+    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf", *GPU_CANDIDATES}
+    assert "gguf: the model was not read from a GGUF file" in auto.reason and "static: a GPU pass" in auto.reason
     assert all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
     assert auto.name == min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name])) and "measured" in auto.reason
     assert select_weights(tiny, layout, "auto") is auto  # decided once per model
@@ -150,7 +152,7 @@ def test_fused_pass_gives_the_models_logits(loaded):
         assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
 
 
-@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16"])
+@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16", "static"])
 @torch.inference_mode()
 def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     """Item 4 of the fast-pass issue: the same token at the same place gets the same logits, bit for
@@ -166,6 +168,7 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
         "fused": lambda: FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
         "onednn": lambda: functools.partial(forward_packed, with_onednn_linears(model)),
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
+        "static": lambda: select_weights(model, layout, "static").forward,
     }[weights]()
     prompt, text = list(range(2000, 2060)), [17, 912, 4410, 29, 318, 77, 1043, 5, 880]
     block = KVBlock(layout)
@@ -220,7 +223,7 @@ def test_default_engine_states_its_weights(engine):
     assert chosen.name in CANDIDATES and engine.forward is chosen.forward
     assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
-        expected = set(CANDIDATES) - ({"gguf"} if blocks_unsupported(engine.loaded.model, engine.loaded.gguf_file) else set())
+        expected = set(CANDIDATES) - set(GPU_CANDIDATES) - ({"gguf"} if blocks_unsupported(engine.loaded.model, engine.loaded.gguf_file) else set())
         assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 

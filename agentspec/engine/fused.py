@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .packed import PackedRow, Segment, attend, finish_rows, pack_rows, store_kv, wants_features
 
-__all__ = ["FusedLlamaPass", "fused_unsupported", "FUSED_MODEL_TYPES", "Linear", "LinearFactory"]
+__all__ = ["FusedLlamaPass", "fused_unsupported", "rms_norm", "FUSED_MODEL_TYPES", "Linear", "LinearFactory"]
 
 FUSED_MODEL_TYPES = ("llama",)  # SmolLM, Llama 2/3, TinyLlama, ... (model_type as in the config)
 
@@ -56,7 +56,7 @@ def fused_unsupported(model: Any) -> str | None:
     return None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm (float32 statistics, back to the input's dtype); in float32 torch's fused kernel,
     which computes the same sums (bit for bit on the default model, ``tests/test_weights.py``) in one
     call instead of six."""
@@ -114,12 +114,12 @@ class FusedLlamaPass:
         cos, sin = self.rotary(hidden[None], inputs.position_ids)
         hidden = self.decoder_layers(hidden, cos[0], sin[0], inputs.segments)
         if wants_features(rows):  # every token's normed hidden state, of which the kept ones get logits
-            normed = _rms_norm(hidden, self.norm, self.eps)
+            normed = rms_norm(hidden, self.norm, self.eps)
             return finish_rows(rows, self.head(normed[inputs.keep]), normed)
-        logits = self.head(_rms_norm(hidden[inputs.keep], self.norm, self.eps))
+        logits = self.head(rms_norm(hidden[inputs.keep], self.norm, self.eps))
         return finish_rows(rows, logits)
 
-    def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Any) -> torch.Tensor:
         """The decoder layers over the pass's tokens: embeddings [T, hidden] in, the last layer's
         output out; ``cos``/``sin`` [T, head_dim] are the tokens' rotary angles. Each sequence's
         new keys and values go into its block."""
@@ -128,15 +128,21 @@ class FusedLlamaPass:
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(hidden, layer.norm1, layer.eps1))
+            qkv = layer.qkv(rms_norm(hidden, layer.norm1, layer.eps1))
             # queries and keys rotated as one tensor: the same arithmetic per element, half the calls
             qk = qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
-            store_kv(segments, index, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            attention = attend(segments, index, q.transpose(0, 1)[None], layer.scaling)
+            attention = self.attention(segments, index, q, k, v, layer.scaling)
             hidden = hidden + layer.o(attention.reshape(tokens, q_size))
-            gate_up = layer.gate_up(_rms_norm(hidden, layer.norm2, layer.eps2))
+            gate_up = layer.gate_up(rms_norm(hidden, layer.norm2, layer.eps2))
             hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
         return hidden
+
+    def attention(self, segments: Any, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One layer's attention: the pass's new keys and values ([T, kv_heads, head_dim]) stored,
+        then each token's query ([T, heads, head_dim]) over its sequence's keys; [T, heads, head_dim]
+        out. ``segments``: what ``decoder_layers`` was given (here, ``packed.py``'s segments)."""
+        store_kv(segments, layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        return attend(segments, layer, q.transpose(0, 1)[None], scaling)[0]

@@ -55,7 +55,14 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+        """The memory this block takes: its allocation; for a view of a slot of a pool allocated once
+        (``static.py``), what its tokens fill (the pool's size does not change as requests come and go)."""
+        if self.data is None:
+            return 0
+        allocated = self.data.numel() * self.data.element_size()
+        if self.data.untyped_storage().nbytes() > allocated:  # a view of a larger pool
+            return self.length * self.layout.bytes_per_token
+        return allocated
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` more after ``length``."""

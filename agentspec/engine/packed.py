@@ -29,7 +29,7 @@ from .kv import KVBlock, KVLayout
 
 __all__ = [
     "PackedRow", "PackedInputs", "Segment", "pack_rows", "finish_rows", "wants_features", "store_kv", "attend",
-    "forward_packed", "check_packed", "use_packed_attention", "PACKED_ATTENTION", "PassFunction",
+    "forward_packed", "check_packed", "use_packed_attention", "PACKED_ATTENTION", "PassFunction", "sdpa",
 ]
 
 PACKED_ATTENTION = "agentspec_packed"
@@ -153,7 +153,7 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
             positions = torch.arange(new, device=query.device) + seg.past
             keys_at = torch.arange(end, device=query.device)
             mask = ((keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - window)).repeat(groups, 1)
-        out = _sdpa(q, keys, values, mask, scaling)
+        out = sdpa(q, keys, values, mask, scaling)
         outputs.append(out.reshape(1, heads, new, head_dim))
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return attn.transpose(1, 2).contiguous()
@@ -165,7 +165,7 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
 MIN_ATTENTION_ROWS = 4
 
 
-def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """Scaled dot-product attention whose result for a query does not depend on how many queries
     share the call. On a CPU in float32, torch's fused (flash) kernel blocks queries by their number
     (measured: a query's output changes once a call has 4 or more positions), so there attention is

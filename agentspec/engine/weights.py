@@ -18,6 +18,9 @@ The candidates (``CANDIDATES``):
   on oneDNN-packed weights where they run, else ``F.linear``.
 - ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
   CPU, AVX-512, a C compiler): the same float32 weights, a fifth of the bytes per token.
+- ``"static"``: the fused pass over a key/value pool allocated once, one attention call per layer
+  for the whole pass, CUDA graphs per pass shape (``static.py``). A GPU pass: ``"auto"`` considers
+  it on CUDA only; on a CPU it runs (eagerly) when asked for by name.
 
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
 the model's, times each on 1- and 8-position passes, and keeps the fastest.
@@ -54,15 +57,17 @@ from .blocks import BlockLlamaPass, GGUFBlocks, blocks_unsupported
 from .fused import FusedLlamaPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
+from .static import StaticLlamaPass
 
 __all__ = [
-    "WEIGHTS", "CANDIDATES", "REDUCED", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
+    "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
     "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights", "fastest_pass_ms",
 ]
 
 log = logging.getLogger("agentspec.engine")
 
-CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf")  # the loaded model's logits: "auto" picks among them
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "static")  # the loaded model's logits: "auto" picks among them
+GPU_CANDIDATES: tuple[str, ...] = ("static",)  # "auto" considers them on CUDA only
 REDUCED: tuple[str, ...] = ("bf16",)  # other logits (rounded weights): only when asked for
 WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *REDUCED)
 # bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
@@ -229,7 +234,8 @@ def _build(model: Any, name: str, gguf_file: Path | None = None) -> PassFunction
         raise NotImplementedError(reason)
     if name == "bf16":
         return FusedLlamaPass(model, functools.partial(onednn_linear, dtype=torch.bfloat16))
-    return FusedLlamaPass(model, torch_linear if onednn_supported(model) is not None else onednn_linear)
+    linear = torch_linear if onednn_supported(model) is not None else onednn_linear
+    return StaticLlamaPass(model, linear) if name == "static" else FusedLlamaPass(model, linear)
 
 
 @torch.inference_mode()
@@ -254,6 +260,9 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     for name in CANDIDATES[1:]:
+        if name in GPU_CANDIDATES and model.get_output_embeddings().weight.device.type != "cuda":
+            left_out.append(f"{name}: a GPU pass (on a CPU it computes its padding; ask for it by name)")
+            continue
         try:  # cannot run here, or its logits differ from the model's own forward (check_packed)
             forward = _build(model, name, gguf_file)
             check_packed(model, layout, forward=forward)
