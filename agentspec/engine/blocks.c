@@ -1,11 +1,17 @@
 /* Products on a GGUF file's own weight blocks, for agentspec's target pass (blocks.py).
 
    y[r, n] = sum_k x[r, k] * w[n, k] for float32 rows x, with w read from its blocks of 32 weights:
-     Q4_1: w = d * q + m, q a 4-bit code (qs: 16 bytes per block; byte j holds codes j and j + 16)
-     Q8_0: w = d * q, q a signed byte (qs: 32 bytes per block)
+     Q4_1: w = d * q + m, q a 4-bit code (16 bytes per block; byte j holds codes j and j + 16)
+     Q8_0: w = d * q, q a signed byte (32 bytes per block)
    d and m are the blocks' scales and minimums as float32. Each w is rounded exactly as the GGUF
    reader dequantises it (a product, then a sum; -ffp-contract=off keeps them apart), so these are
    the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
+
+   Layout (Blocks.grouped in blocks.py): outputs in groups of GROUP; for each group, its blocks in
+   input order, each the GROUP outputs' codes, then their GROUP scales (and minimums): one stream of
+   memory per group, read front to back and prefetched a few blocks ahead. (With codes, scales and
+   minimums in three arrays, a 1-row product read three streams per output and reached 16 GB/s;
+   grouped, 31 GB/s, about what two cores stream here.)
 
    Row-invariant by construction: each (row, output) pair is one 16-lane accumulator that takes the
    same fused multiply-adds in the same order, then one fixed horizontal sum, however many rows and
@@ -26,25 +32,35 @@
 
 #define MR 8    /* rows per tile, at most */
 #define MAXC 8  /* outputs per tile, at most: 8 for one row, down to 2 for 5-8 rows (registers) */
+#define FEW 8   /* outputs grouped together in the layout read by products of 1-2 rows */
+#define MANY 4  /* ... and in the layout read by products of more rows */
+#define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
+#define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
+#define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
-   latency of the multiply-adds, few enough to stay in the 32 vector registers. It does not change
-   any (row, output) pair's arithmetic. */
-static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 1 ? 8 : rows <= 2 ? 6 : rows <= 4 ? 4 : 2; }
+   latency of the multiply-adds, few enough to stay in the 32 vector registers, and a multiple of
+   its layout's group. It does not change any (row, output) pair's arithmetic. */
+static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 1 ? 8 : rows <= 4 ? 4 : 2; }
+static inline __attribute__((always_inline)) int group_of(int rows) { return rows <= 2 ? FEW : MANY; }
 
 /* One tile: outputs n .. n + nt - 1 for `rows` rows (compile-time constants at every call site, so
-   the loops unroll and the accumulators live in registers). The macro's argument dequantises block
-   b of output n + t into w0[t] (its weights 0..15) and w1[t] (16..31). */
-#define TILE_BODY(...)                                                                              \
-    const int nb = K / 32, cols = tile_outputs(rows);                                              \
+   the loops unroll and the accumulators live in registers), reading the layout grouped by G. The
+   macro's argument dequantises the block at `at` (lane `lane` of its group) into w0[t] (weights
+   0..15) and w1[t] (16..31). */
+#define TILE_BODY(BYTES, ...)                                                                       \
+    const int nb = K / 32, cols = tile_outputs(rows), G = group_of(rows);                          \
     __m512 acc[MAXC][MR];                                                                          \
     UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++) acc[t][r] = _mm512_setzero_ps(); \
     for (int b = 0; b < nb; b++) {                                                                 \
         __m512 w0[MAXC], w1[MAXC];                                                                 \
         UNROLL for (int t = 0; t < MAXC; t++) {                                                    \
             if (t < cols) {                                                                        \
-                const size_t i = (size_t)(n + (t < nt ? t : 0)) * nb + b;                          \
+                const int o = n + (t < nt ? t : 0), lane = o % G;                                  \
+                const uint8_t *at = (G == FEW ? few : many) + ((size_t)(o / G) * nb + b) * (BYTES); \
+                if (rows <= 2 && t % G == 0)                                                       \
+                    for (int line = 0; line < (BYTES); line += 64) _mm_prefetch((const char *)(at + AHEAD * (BYTES) + line), _MM_HINT_T0); \
                 __VA_ARGS__                                                                        \
             }                                                                                      \
         }                                                                                          \
@@ -67,59 +83,61 @@ static inline __attribute__((always_inline)) int tile_outputs(int rows) { return
 /* Q4_1 through a table: the block's 16 possible weights d * q + m (q = 0..15, rounded as the GGUF
    reader rounds them) fill one register, and each code picks its weight (vpermps reads an index's
    low 4 bits, so the low nibble needs no mask). */
-static inline __attribute__((always_inline)) void q4_1_tile(const float *x, const int rows, int K, const uint8_t *qs,
-                                                            const float *d, const float *m, float *y, int N, int n, int nt) {
+static inline __attribute__((always_inline)) void q4_1_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many,
+                                                            float *y, int N, int n, int nt) {
     const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    TILE_BODY(
-        const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes16, _mm512_set1_ps(d[i])), _mm512_set1_ps(m[i]));
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 16)));
+    TILE_BODY(Q4_1_BYTES(G),
+        const float d = ((const float *)(at + G * 16))[lane], m = ((const float *)(at + G * 20))[lane];
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes16, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + lane * 16)));
         w0[t] = _mm512_permutexvar_ps(codes, table);
         w1[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
     )
 }
 
-static inline __attribute__((always_inline)) void q8_0_tile(const float *x, const int rows, int K, const int8_t *qs,
-                                                            const float *d, const float *m, float *y, int N, int n, int nt) {
-    (void)m;
-    TILE_BODY(
-        const __m512 scale = _mm512_set1_ps(d[i]);
-        w0[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 32)))), scale);
-        w1[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 32 + 16)))), scale);
+static inline __attribute__((always_inline)) void q8_0_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many,
+                                                            float *y, int N, int n, int nt) {
+    TILE_BODY(Q8_0_BYTES(G),
+        const __m512 scale = _mm512_set1_ps(((const float *)(at + G * 32))[lane]);
+        const int8_t *codes = (const int8_t *)(at + lane * 32);
+        w0[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), scale);
+        w1[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), scale);
     )
 }
 
 /* Rows in chunks of MR; a chunk's outputs in tiles split over `threads` (static: a thread's share
    depends only on N and the chunk). */
-#define CHUNK(TILE, CODE, ROWS)                                                                    \
+#define CHUNK(TILE, ROWS)                                                                          \
     {                                                                                              \
         const int cols = tile_outputs(ROWS);                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
         for (int n = 0; n < N; n += cols)                                                          \
-            TILE(xr, ROWS, K, (const CODE *)qs, d, m, yr, N, n, N - n < cols ? N - n : cols);      \
+            TILE(xr, ROWS, K, (const uint8_t *)few, (const uint8_t *)many, yr, N, n, N - n < cols ? N - n : cols); \
     }
 
-#define PRODUCT(TILE, CODE)                                                                        \
+#define PRODUCT(TILE)                                                                              \
     for (int r0 = 0; r0 < M; r0 += MR) {                                                           \
         const float *xr = x + (size_t)r0 * K;                                                      \
         float *yr = y + (size_t)r0 * N;                                                            \
         switch (M - r0 < MR ? M - r0 : MR) {                                                       \
-        case 1: CHUNK(TILE, CODE, 1) break;                                                        \
-        case 2: CHUNK(TILE, CODE, 2) break;                                                        \
-        case 3: CHUNK(TILE, CODE, 3) break;                                                        \
-        case 4: CHUNK(TILE, CODE, 4) break;                                                        \
-        case 5: CHUNK(TILE, CODE, 5) break;                                                        \
-        case 6: CHUNK(TILE, CODE, 6) break;                                                        \
-        case 7: CHUNK(TILE, CODE, 7) break;                                                        \
-        default: CHUNK(TILE, CODE, 8) break;                                                       \
+        case 1: CHUNK(TILE, 1) break;                                                              \
+        case 2: CHUNK(TILE, 2) break;                                                              \
+        case 3: CHUNK(TILE, 3) break;                                                              \
+        case 4: CHUNK(TILE, 4) break;                                                              \
+        case 5: CHUNK(TILE, 5) break;                                                              \
+        case 6: CHUNK(TILE, 6) break;                                                              \
+        case 7: CHUNK(TILE, 7) break;                                                              \
+        default: CHUNK(TILE, 8) break;                                                             \
         }                                                                                          \
     }
 
-void agentspec_q4_1_product(const float *x, int M, int K, const void *qs, const float *d, const float *m, float *y, int N, int threads) {
-    PRODUCT(q4_1_tile, uint8_t)
+/* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in blocks.py). */
+void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    PRODUCT(q4_1_tile)
 }
 
-void agentspec_q8_0_product(const float *x, int M, int K, const void *qs, const float *d, const float *m, float *y, int N, int threads) {
-    PRODUCT(q8_0_tile, int8_t)
+void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    PRODUCT(q8_0_tile)
 }
 
 /* ---- The decoder layers of a Llama model in one call ------------------------------------------
@@ -131,9 +149,8 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *qs, const 
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
 typedef struct {
-    int kind; /* 0: Q4_1, 1: Q8_0 */
-    const void *codes;
-    const float *scales, *mins;
+    int kind;               /* 0: Q4_1, 1: Q8_0 */
+    const void *few, *many; /* the blocks grouped for products of few and of many rows */
 } agentspec_blocks;
 
 typedef struct {
@@ -165,8 +182,8 @@ static inline __m512 exp16(__m512 x) {
 }
 
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
-    if (w->kind == 0) agentspec_q4_1_product(x, M, K, w->codes, w->scales, w->mins, y, N, threads);
-    else agentspec_q8_0_product(x, M, K, w->codes, w->scales, w->mins, y, N, threads);
+    if (w->kind == 0) agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads);
+    else agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads);
 }
 
 /* LlamaRMSNorm of each row: weight * (x * 1/sqrt(mean(x^2) + eps)). */
