@@ -196,7 +196,7 @@ class StaticLlamaPass(FusedLlamaPass):
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise NotImplementedError("CUDA graphs need a CUDA device")
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, int], _Graph | None] = {}  # None: its capture failed
         self._graph_memory: Any = None
         self.captured = 0  # graphs captured: one per pass shape
         self.graph_failures: list[str] = []  # why a shape runs eagerly although graphs are on
@@ -245,8 +245,8 @@ class StaticLlamaPass(FusedLlamaPass):
     def _run(self, shape: tuple[int, int, int], grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs or shape[1] > GRAPH_POSITIONS:
             return self._compute(grid, shape[2])
-        graph = self._graphs.get(shape) or self._capture(shape)
-        if graph is None:
+        graph = self._graphs[shape] if shape in self._graphs else self._capture(shape)
+        if graph is None:  # its capture failed: eager, not captured again
             return self._compute(grid, shape[2])
         for name in ("ids", "positions", "new", "slots", "write_slots", "write_positions"):
             getattr(graph.grid, name).copy_(getattr(grid, name))
@@ -258,7 +258,10 @@ class StaticLlamaPass(FusedLlamaPass):
         it writes nothing but scratch)."""
         height, width, keys = shape
         cells = height * width
-        zeros = lambda *size: torch.zeros(size, dtype=torch.long, device=self.device)  # noqa: E731
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.long, device=self.device)
+
         static = _Grid(
             zeros(height, width), torch.arange(width, device=self.device).repeat(height, 1), zeros(height), zeros(height),
             zeros(cells), torch.arange(cells, device=self.device).remainder(self.pool.capacity),
@@ -279,7 +282,7 @@ class StaticLlamaPass(FusedLlamaPass):
             reason = f"rows {height}, positions {width}, keys {keys}: {exc}"
             log.warning("CUDA graph capture failed, running that shape eagerly (%s)", reason)
             self.graph_failures.append(reason)
-            self._graphs[shape] = None  # type: ignore[assignment]  # not again
+            self._graphs[shape] = None
             return None
         self.captured += 1
         log.info("captured a CUDA graph for passes of %d rows × %d positions over %d keys (%d so far)", height, width, keys, self.captured)
