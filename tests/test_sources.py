@@ -25,7 +25,10 @@ async def plain_outputs(client):
 @pytest.mark.parametrize("name", ["tool_call", "document_answer"])
 async def test_each_source_alone_and_mixed_equals_plain(client, plain_outputs, name, sources):
     work = workload(name)
-    spec = agentspec.SpecConfig(sources=sources)
+    # K pinned (adaptive=False): whether a free draft token pays depends on the measured cost of a
+    # pass, and on the GGUF pass a plain step is cheap enough that, measured under the suite's load,
+    # a lone n-gram drafter's short matches were left unverified (0 accepted of 24 tokens)
+    spec = agentspec.SpecConfig(sources=sources, adaptive=False)
     done = await client.generate(work.messages, max_tokens=24, speculative=spec, **work.params)
     assert done.token_ids == plain_outputs[name]
     assert set(done.stats.accepted_by_source) <= set(sources), done.stats.accepted_by_source
