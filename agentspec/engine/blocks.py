@@ -296,8 +296,8 @@ class BlockProduct:
     def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None) -> None:
         self.kind = blocks.kind
         # Two copies of the blocks, grouped for products of one or two rows and for more: one row
-        # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with one
-        # run per output), but tiles of 2-4 outputs for more rows read that layout up to ~20% slower than groups of 4.
+        # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with three
+        # runs per output), but the 2- and 4-output tiles of more rows read groups of 8 ~20% slower.
         self.few, self.many = (blocks.grouped(group) for group in GROUPS)
         self.function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind])
         self.outputs, self.inputs = blocks.shape
