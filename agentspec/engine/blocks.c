@@ -31,7 +31,7 @@
 #endif
 
 #define MR 8    /* rows per tile, at most */
-#define MAXC 8  /* outputs per tile, at most: 8 for one row, down to 2 for 5-8 rows (registers) */
+#define MAXC 8  /* outputs per tile, at most: 8 for one or two rows, down to 2 for 5-8 rows (registers) */
 #define FEW 8   /* outputs grouped together in the layout read by products of 1-2 rows */
 #define MANY 4  /* ... and in the layout read by products of more rows */
 #define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
@@ -42,7 +42,7 @@
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
    latency of the multiply-adds, few enough to stay in the 32 vector registers, and a multiple of
    its layout's group. It does not change any (row, output) pair's arithmetic. */
-static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 1 ? 8 : rows <= 4 ? 4 : 2; }
+static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
 static inline __attribute__((always_inline)) int group_of(int rows) { return rows <= 2 ? FEW : MANY; }
 
 /* One tile: outputs n .. n + nt - 1 for `rows` rows (compile-time constants at every call site, so
