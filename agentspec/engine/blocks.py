@@ -15,7 +15,7 @@ The blocks are stored grouped (``Blocks.grouped``): a group of outputs' blocks s
 product of one row streams one run of memory per tile of 8 outputs instead of three per output
 (codes, scales, minimums). Measured here (2-core AMD EPYC Zen 4; the decoder layers' 120 products
 called from Python, weights streamed from memory, best of 8, interleaved with the ungrouped layout):
-1/2/4/8/16 rows 3.4/4.4/8.8–10/13.6/25 ms against 4.9/5.7/8.2–11/14.4/26 (the C loop alone: 2.5
+1/2/4/8/16 rows 3.4/4.0/8.8–10/13.6/25 ms against 4.9/5.7/8.2–11/14.4/26 (the C loop alone: 2.5
 against 4.8 ms for one row, 31 against 17 GB/s; two cores stream ~34 GB/s). oneDNN-packed float32
 weights took 25–31 ms for 1–8 rows (with the LM head). From a few rows on the kernels are bound by
 multiply-adds, not bytes (84 G/s at 64 rows, about two Zen 4 cores' peak for 512-bit FMAs), so a
