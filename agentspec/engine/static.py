@@ -211,7 +211,7 @@ class StaticLlamaPass(FusedLlamaPass):
         new = [len(row.tokens) for row in rows]
         slots = self.pool.place([row.block for row in rows], new)
         shape = (
-            bucket(len(rows), largest=self.pool.sequences + 1),
+            bucket(len(rows)),  # padding rows read and write only the scratch slot
             bucket(max(new)),
             bucket(max(row.block.length + n for row, n in zip(rows, new)), KEY_BUCKET, self.pool.capacity),
         )

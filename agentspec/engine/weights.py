@@ -260,7 +260,7 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     for name in CANDIDATES[1:]:
-        if name in GPU_CANDIDATES and model.get_output_embeddings().weight.device.type != "cuda":
+        if name in GPU_CANDIDATES and layout.device.type != "cuda":
             left_out.append(f"{name}: a GPU pass (on a CPU it computes its padding; ask for it by name)")
             continue
         try:  # cannot run here, or its logits differ from the model's own forward (check_packed)
