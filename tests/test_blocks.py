@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import BLOCK_TYPES, BlockLlamaPass, Blocks, GGUFBlocks, block_product, blocks_unsupported
+from agentspec.engine.blocks import ACTIVATIONS, BLOCK_TYPES, BlockLlamaPass, Blocks, GGUFBlocks, block_product, blocks_unsupported
 from agentspec.engine.fused import FusedLlamaPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, use_packed_attention
@@ -49,18 +49,46 @@ def _random_blocks(kind: str, outputs: int, inputs: int, seed: int) -> Blocks:
     return Blocks(kind, codes, scales, mins)
 
 
+def _q8_reference(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """What the 8-bit products compute (blocks.c), in float64 from exact integer dot products: each
+    row quantised per block of 32 (scale max|x| / 127, codes rounded to nearest, ties to even)."""
+    rows, inputs = x.shape
+    chunks = x.view(rows, inputs // 32, 32)
+    top = chunks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))  # (127.0 / top would multiply by a reciprocal)
+    codes = torch.round(chunks * inverse).to(torch.int64)  # [rows, blocks, 32]
+    scale = (top / 127.0)[..., 0].double()  # [rows, blocks]
+    weights = blocks.codes.to(torch.int64)
+    if blocks.kind == "Q4_1":
+        weights = torch.cat([weights & 15, weights >> 4], dim=-1)
+    dots = torch.einsum("rbk,obk->rob", codes, weights).double()  # [rows, outputs, blocks], exact
+    sums = codes.sum(-1).double()
+    products = dots * blocks.scales.double()[None] * scale[:, None] + blocks.mins.double()[None] * (scale * sums)[:, None]
+    return products.sum(-1)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("kind", BLOCK_TYPES)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 1003)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_block_products_are_row_and_thread_invariant(gguf_blocks, kind, shape):
+def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, shape, activations):
     """A row's result is the same bits alone, as the k-th of up to 70 rows (tiles of 8 and their
     remainders), moved, or computed on another number of threads; and it is the float32 product of
-    the dequantised weights up to the order of its sums."""
+    the dequantised weights up to the order of its sums — or, on rows quantised to 8 bits ("q8"),
+    the exact integer products scaled, up to float32 rounding."""
+    if blocks_unsupported(loaded.model, loaded.gguf_file, activations) is not None:
+        pytest.skip(f"no {activations} products here: {blocks_unsupported(loaded.model, loaded.gguf_file, activations)}")
     inputs, outputs = shape  # 1003 outputs: an odd last tile
     blocks = _random_blocks(kind, outputs, inputs, seed=outputs)
-    product = block_product(blocks)
+    product = block_product(blocks, activations=activations)
     x = torch.randn(70, inputs, generator=torch.Generator().manual_seed(1))
+    x[3, 64:96] = 0  # a block of zeros: scale 0
     everything = product(x)
-    torch.testing.assert_close(everything, x @ blocks.dequantised().T, rtol=1e-5, atol=1e-4)
+    if activations == "float32":
+        torch.testing.assert_close(everything, x @ blocks.dequantised().T, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(everything.double(), _q8_reference(x, blocks), rtol=1e-5, atol=1e-4)
+        exact = x @ blocks.dequantised().T
+        assert 1e-4 < (everything - exact).abs().max() / exact.abs().max() < 0.02  # the rows were rounded, not by much
     alone = torch.cat([product(x[i : i + 1]) for i in range(70)])
     assert torch.equal(alone, everything)
     for rows in (2, 7, 8, 9, 17, 64, 65):

@@ -43,8 +43,8 @@ def _unsupported(weights: str, loaded) -> str | None:
     """Why the pass ``weights`` cannot run on ``loaded``'s model here (skip reason), or None."""
     if weights == "onednn":
         return onednn_supported(loaded.model)
-    if weights == "gguf":
-        return blocks_unsupported(loaded.model, loaded.gguf_file)
+    if weights in ("gguf", "gguf-q8"):
+        return blocks_unsupported(loaded.model, loaded.gguf_file, "q8" if weights == "gguf-q8" else "float32")
     return bf16_supported(loaded.model) if weights == "bf16" else None
 
 
@@ -111,6 +111,8 @@ def test_reduced_precision_leaves_out_what_cannot_run(loaded):
         Engine(half, weights="onednn")
     with pytest.raises(ModelLoadError, match="weights='bf16' cannot run here.*float32"):
         Engine(half, weights="bf16")
+    with pytest.raises(ModelLoadError, match="weights='gguf-q8' cannot run here: the model was not read from a GGUF file"):
+        Engine(half, weights="gguf-q8")
 
 
 def test_fused_pass_refuses_other_architectures(loaded):
@@ -152,19 +154,20 @@ def test_fused_pass_gives_the_models_logits(loaded):
         assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
 
 
-@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16", "static"])
+@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16", "static", "gguf-q8"])
 @torch.inference_mode()
 def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     """Item 4 of the fast-pass issue: the same token at the same place gets the same logits, bit for
     bit, as a lone plain step, as any position of a verification, and beside other sequences — on
-    the kernels the engine runs by default, and on bfloat16 weights. Otherwise a verification could
-    accept what plain decoding would not write."""
+    the kernels the engine runs by default, on bfloat16 weights and on 8-bit activations. Otherwise a
+    verification could accept what plain decoding would not write."""
     if _unsupported(weights, loaded) is not None:
         pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     model, layout = loaded.model, KVLayout.of(loaded.model)
     use_packed_attention(model)
     forward = {
         "gguf": lambda: select_weights(model, layout, "gguf", loaded.gguf_file).forward,
+        "gguf-q8": lambda: select_weights(model, layout, "gguf-q8", loaded.gguf_file).forward,
         "fused": lambda: FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
         "onednn": lambda: functools.partial(forward_packed, with_onednn_linears(model)),
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
@@ -188,16 +191,18 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     assert all(torch.equal(batch[1][i], alone[i]) for i in range(4))
 
 
+@pytest.mark.parametrize("weights", REDUCED)
 @torch.inference_mode()
-def test_bf16_weights_are_the_model_rounded_and_auto_never_picks_them(loaded):
-    """The "bf16" pass computes the loaded model with its linear weights rounded to bfloat16: logits
-    near the float32 pass's (not equal, which is why "auto" leaves it out) and the same greedy
-    choice almost everywhere on a real prompt; asked for by name, it says so."""
-    if bf16_supported(loaded.model) is not None:
-        pytest.skip(f"bf16 weights cannot run here: {bf16_supported(loaded.model)}")
+def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weights):
+    """The "bf16" pass computes the loaded model with its linear weights rounded to bfloat16, the
+    "gguf-q8" pass with each product's input rows rounded to 8 bits: logits near the float32 pass's
+    (not equal, which is why "auto" leaves them out) and the same greedy choice almost everywhere on
+    a real prompt; asked for by name, it says so."""
+    if _unsupported(weights, loaded) is not None:
+        pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     model, layout = loaded.model, KVLayout.of(loaded.model)
-    chosen = select_weights(model, layout, "bf16")
-    assert chosen.name == "bf16" and chosen.reason == "requested"
+    chosen = select_weights(model, layout, weights, loaded.gguf_file)
+    assert chosen.name == weights and chosen.reason == "requested"
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     full = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     rounded = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
@@ -207,9 +212,9 @@ def test_bf16_weights_are_the_model_rounded_and_auto_never_picks_them(loaded):
     with pytest.raises(NotImplementedError, match="differ"):  # what keeps it out of "auto"
         check_packed(model, layout, forward=chosen.forward)
     assert check_packed(model, layout, chosen.tolerance, forward=chosen.forward) > 1e-3  # what an engine checks
-    target = Engine(loaded, weights="bf16")
+    target = Engine(loaded, weights=weights)
     target.calibrate(repeats=1)  # checks the pass against the model within its tolerance, then times it
-    assert target.weights.name == "bf16" and target.costs.cost(1) > 0
+    assert target.weights.name == weights and target.costs.cost(1) > 0
 
 
 def test_client_rejects_unknown_weights_before_loading():

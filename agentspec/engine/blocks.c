@@ -140,6 +140,146 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const
     PRODUCT(q8_0_tile)
 }
 
+/* ---- Products on 8-bit activations (weights="gguf-q8") -------------------------------------------
+   llama.cpp's arithmetic for these blocks: each row is quantised per block of 32 inputs to signed
+   bytes a with one float scale (d_a = max|x| / 127, a = round(x / d_a)), and a block's product is an
+   exact integer dot product of codes, scaled:
+     Q4_1: sum_k w x ~ d_w d_a sum(q a) + m_w (d_a sum(a))
+     Q8_0: sum_k w x ~ d_w d_a sum(q a)
+   The weights are the file's, unchanged; only the activations are rounded (to 1/254 of a block's
+   largest magnitude), so these are another model's products than the float32 kernels above: opt in.
+   VNNI's vpdpbusd multiplies 64 unsigned by signed bytes into 16 sums per instruction, four times the
+   multiply-adds of a 512-bit float FMA, so products of several rows cost little more than one.
+
+   Layout (Blocks.vnni in blocks.py): outputs in groups of 16, one 32-bit lane each; per group, its
+   blocks in input order. A Q4_1 block: 4 x 64 bytes of codes (register j, lane o: the byte holding
+   codes 4j..4j+3 of output o in its low nibbles, 16+4j.. in its high ones, as the file packs them),
+   then the 16 scales and 16 minimums as float16 (exactly the file's). A Q8_0 block: 8 x 64 bytes of
+   codes + 128 (unsigned; the dot product subtracts 128 sum(a), exactly), then 16 float16 scales.
+
+   Row-invariant by construction: a row's quantisation reads only the row; each (row, output) pair is
+   one lane taking the same integer dot products and float multiply-adds in the same order (no
+   horizontal sum), whatever else shares the call and whichever thread computes it.
+
+   Built where the compiler targets AVX512-VNNI and AVX512-BW (agentspec_vnni says whether). */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+const int agentspec_vnni = 1;
+
+#define LANES 16
+#define Q4_1_VNNI_BYTES (LANES * 16 + LANES * 4) /* codes, float16 scales and minimums */
+#define Q8_0_VNNI_BYTES (LANES * 32 + LANES * 2) /* codes + 128, float16 scales */
+#define ROWS8 8                                  /* rows per tile, at most */
+
+/* Row r, block b: codes at codes + (r * nb + b) * 32; scale, d * sum(codes), sum(codes). */
+typedef struct {
+    int8_t *codes;
+    float *scale, *scaled_sum;
+    int32_t *sum;
+} agentspec_q8_rows;
+
+static void quantise_rows(const float *x, int M, int K, agentspec_q8_rows *q) {
+    const int nb = K / 32;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * K + (size_t)b * 32;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            /* round to nearest, ties to even (the default rounding mode) */
+            const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
+            const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
+            const size_t at = (size_t)r * nb + b;
+            _mm_storeu_si128((__m128i *)(q->codes + at * 32), _mm512_cvtsepi32_epi8(a0));
+            _mm_storeu_si128((__m128i *)(q->codes + at * 32 + 16), _mm512_cvtsepi32_epi8(a1));
+            q->sum[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+            q->scale[at] = d;
+            q->scaled_sum[at] = d * (float)q->sum[at];
+        }
+}
+
+/* One tile: the 16 outputs of group g for `rows` rows (a compile-time constant at every call site). */
+static inline __attribute__((always_inline)) void vnni_tile(const int q8_0, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w,
+                                                           float *y, int N, int g) {
+    const int nb = K / 32, bytes = q8_0 ? Q8_0_VNNI_BYTES : Q4_1_VNNI_BYTES, codes = q8_0 ? LANES * 32 : LANES * 16;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 acc[ROWS8];
+    UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + AHEAD * bytes + line), _MM_HINT_T0);
+        __m512i dot[ROWS8];
+        UNROLL for (int r = 0; r < ROWS8; r++) dot[r] = _mm512_setzero_si512();
+        if (q8_0) {
+            UNROLL for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_loadu_si512(at + 64 * j);
+                UNROLL for (int r = 0; r < ROWS8; r++)
+                    if (r < rows) dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(((const int32_t *)(q->codes + ((size_t)r * nb + b) * 32))[j]));
+            }
+            UNROLL for (int r = 0; r < ROWS8; r++)
+                if (r < rows) dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * q->sum[(size_t)r * nb + b]));
+        } else {
+            UNROLL for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(at + 64 * j);
+                const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                UNROLL for (int r = 0; r < ROWS8; r++) {
+                    if (r < rows) {
+                        const int32_t *a = (const int32_t *)(q->codes + ((size_t)r * nb + b) * 32);
+                        dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_set1_epi32(a[j]));
+                        dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(a[4 + j]));
+                    }
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + codes)));
+        const __m512 m = q8_0 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + codes + 32)));
+        UNROLL for (int r = 0; r < ROWS8; r++) {
+            if (r < rows) {
+                const size_t rb = (size_t)r * nb + b;
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(q->scale[rb])), acc[r]);
+                if (!q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->scaled_sum[rb]), acc[r]);
+            }
+        }
+    }
+    const int live = N - g * LANES < LANES ? N - g * LANES : LANES;
+    UNROLL for (int r = 0; r < ROWS8; r++)
+        if (r < rows) _mm512_mask_storeu_ps(y + (size_t)r * N + (size_t)g * LANES, (__mmask16)((1u << live) - 1), acc[r]);
+}
+
+#define VNNI_CHUNK(Q8_0, ROWS)                                                                     \
+    {                                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
+        for (int g = 0; g < groups; g++) vnni_tile(Q8_0, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+    }
+
+#define VNNI_PRODUCT(Q8_0)                                                                         \
+    const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                      \
+    agentspec_q8_rows q = {malloc((size_t)M * K), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb)}; \
+    quantise_rows(x, M, K, &q);                                                                    \
+    for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
+        const size_t at = (size_t)r0 * nb;                                                         \
+        const agentspec_q8_rows part = {q.codes + at * 32, q.scale + at, q.scaled_sum + at, q.sum + at}; \
+        switch (M - r0 < ROWS8 ? M - r0 : ROWS8) {                                                 \
+        case 1: VNNI_CHUNK(Q8_0, 1) break;                                                         \
+        case 2: VNNI_CHUNK(Q8_0, 2) break;                                                         \
+        case 3: VNNI_CHUNK(Q8_0, 3) break;                                                         \
+        case 4: VNNI_CHUNK(Q8_0, 4) break;                                                         \
+        case 5: VNNI_CHUNK(Q8_0, 5) break;                                                         \
+        case 6: VNNI_CHUNK(Q8_0, 6) break;                                                         \
+        case 7: VNNI_CHUNK(Q8_0, 7) break;                                                         \
+        default: VNNI_CHUNK(Q8_0, 8) break;                                                        \
+        }                                                                                          \
+    }                                                                                              \
+    free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
+
+/* w: the blocks as Blocks.vnni lays them out. */
+void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(0) }
+
+void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(1) }
+#else
+const int agentspec_vnni = 0;
+#endif
+
 /* ---- The decoder layers of a Llama model in one call ------------------------------------------
    Everything between the embedding and the final norm: per layer RMSNorm, the q/k/v product, the
    rotary embedding, the new keys and values written to each sequence's block, causal attention of
@@ -149,8 +289,8 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
 typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0 */
-    const void *few, *many; /* the blocks grouped for products of few and of many rows */
+    int kind;               /* 0: Q4_1, 1: Q8_0, on float32 rows; 2: Q4_1, 3: Q8_0, on 8-bit rows */
+    const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; 8-bit rows: few, laid out for VNNI */
 } agentspec_blocks;
 
 typedef struct {
@@ -182,8 +322,15 @@ static inline __m512 exp16(__m512 x) {
 }
 
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
-    if (w->kind == 0) agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads);
-    else agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads);
+    switch (w->kind) {
+    case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
+    case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case 2: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 3: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
+#endif
+    default: abort(); /* blocks.py lays out 8-bit-row blocks only where agentspec_vnni */
+    }
 }
 
 /* LlamaRMSNorm of each row: weight * (x * 1/sqrt(mean(x^2) + eps)). */

@@ -51,7 +51,10 @@ from ..model import cache_dir
 from .fused import FusedLlamaPass, Linear, LinearFactory, fused_unsupported
 from .packed import Segment
 
-__all__ = ["GGUFBlocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "KERNEL_SOURCE", "block_kernels", "block_product", "blocks_unsupported"]
+__all__ = [
+    "GGUFBlocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
+    "blocks_unsupported",
+]
 
 log = logging.getLogger("agentspec.engine")
 
@@ -60,7 +63,14 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 BLOCK_TYPES = ("Q4_1", "Q8_0")
-_SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product"}
+# What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
+# quantised to 8 bits per block of 32 as llama.cpp does (``"q8"``: another model's arithmetic, opt in)
+ACTIVATIONS = ("float32", "q8")
+LANES = 16  # outputs per group in the layout of the 8-bit products (Blocks.vnni)
+_SYMBOLS = {
+    ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product",
+    ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
+}
 _compile_lock = threading.Lock()
 
 
@@ -118,13 +128,17 @@ def _kernels() -> ctypes.CDLL | str:
             log.info("built the GGUF block kernels: %s", library)
     kernels = ctypes.CDLL(str(library))
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    for symbol in _SYMBOLS.values():  # (x, M, K, blocks grouped for few rows, for many, y, N, threads)
-        getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, integer, integer]
+    vnni = ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
+    symbols = [symbol for (kind, activations), symbol in _SYMBOLS.items() if activations == "float32" or vnni]
+    for (kind, activations), symbol in _SYMBOLS.items():
+        if symbol in symbols:  # (x, M, K, blocks grouped for few rows [float32 rows: and for many], y, N, threads)
+            layouts = [pointer] if activations == "q8" else [pointer, pointer]
+            getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
     # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, threads)
     kernels.agentspec_llama_layers.argtypes = [
         pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer,
     ]
-    for symbol in (*_SYMBOLS.values(), "agentspec_llama_layers"):
+    for symbol in (*symbols, "agentspec_llama_layers"):
         getattr(kernels, symbol).restype = None
     return kernels
 
@@ -137,9 +151,15 @@ def block_kernels() -> ctypes.CDLL:
     return kernels
 
 
-def blocks_unsupported(model: Any, gguf_file: Path | None) -> str | None:
-    """Why ``model`` cannot run on its GGUF file's blocks here, or None when it may (the blocks
-    themselves are checked when they are read)."""
+def vnni_supported() -> bool:
+    """Whether the kernels here multiply blocks by 8-bit rows (AVX512-VNNI and AVX512-BW)."""
+    kernels = _kernels()
+    return not isinstance(kernels, str) and ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
+
+
+def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "float32") -> str | None:
+    """Why ``model`` cannot run on its GGUF file's blocks here (times ``activations``, one of
+    ``ACTIVATIONS``), or None when it may (the blocks themselves are checked when they are read)."""
     if gguf_file is None:
         return "the model was not read from a GGUF file"
     reason = fused_unsupported(model)
@@ -149,7 +169,11 @@ def blocks_unsupported(model: Any, gguf_file: Path | None) -> str | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"the GGUF block kernels take float32 rows on a CPU (the model is {weight.dtype} on {weight.device})"
     kernels = _kernels()
-    return kernels if isinstance(kernels, str) else None
+    if isinstance(kernels, str):
+        return kernels
+    if activations == "q8" and not vnni_supported():
+        return "products on 8-bit rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks"
+    return None
 
 
 @dataclass(frozen=True)
@@ -187,6 +211,28 @@ class Blocks:
         if self.kind == "Q4_1":
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
+
+    def vnni(self) -> torch.Tensor:
+        """The blocks as the 8-bit products of ``blocks.c`` read them: outputs in groups of 16 (the
+        last padded with zeros); per group, its blocks in input order, each its codes as 64-byte
+        registers (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's packed two to
+        a byte as in the file; Q8_0's plus 128, unsigned), then the 16 scales (and minimums) as
+        float16 — the file's own values: ``[groups, inputs / 32, bytes per block]`` bytes."""
+        outputs, blocks = self.codes.shape[:2]
+        groups = -(-outputs // LANES)
+        pad = groups * LANES - outputs
+        codes = self.codes.view(torch.uint8) if self.kind == "Q4_1" else (self.codes.to(torch.int16) + 128).to(torch.uint8)
+        codes = torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])])
+        registers = codes.shape[-1] // 4  # 4 for Q4_1 (16 bytes a block), 8 for Q8_0 (32)
+        codes = codes.view(groups, LANES, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
+        parts = [codes]
+        for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
+            half = values.to(torch.float16)
+            if not torch.equal(half.float(), values):
+                raise NotImplementedError("the 8-bit products keep scales as float16, and these are not float16 values")
+            half = torch.cat([half, half.new_zeros(pad, blocks)])
+            parts.append(half.view(groups, LANES, blocks).transpose(1, 2).contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=-1).contiguous()
 
     def rows(self, order: torch.Tensor) -> "Blocks":
         return Blocks(self.kind, self.codes[order].contiguous(), self.scales[order].contiguous(), self.mins[order].contiguous())
@@ -248,16 +294,19 @@ class GGUFBlocks:
     """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
 
     ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
-    blocks where every stacked weight has them, else with ``fallback`` (oneDNN-packed float32)."""
+    blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 bits with
+    ``activations="q8"``), else with ``fallback`` (oneDNN-packed float32)."""
 
-    def __init__(self, model: Any, gguf_file: Path, fallback: LinearFactory) -> None:
-        reason = blocks_unsupported(model, gguf_file)
+    def __init__(self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        reason = blocks_unsupported(model, gguf_file, activations)
         if reason is not None:
             raise NotImplementedError(reason)
         import gguf
 
         self.kernels = block_kernels()
-        self.fallback = fallback
+        self.fallback, self.activations = fallback, activations
         tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
         self.blocks: dict[int, Blocks] = {}  # id(loaded weight) -> its blocks
         for name, weight, heads in _llama_names(model):
@@ -287,19 +336,28 @@ class GGUFBlocks:
         parts = [self.blocks.get(id(w)) for w in weights]
         if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
             return self.fallback(weights)
-        return block_product(Blocks.stack(parts), self.kernels)
+        return block_product(Blocks.stack(parts), self.kernels, self.activations)
 
 
 class BlockProduct:
-    """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
+    """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels; with
+    ``activations="q8"``, on the rows quantised to 8 bits per block of 32 (``blocks.c``)."""
 
-    def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None) -> None:
-        self.kind = blocks.kind
-        # Two copies of the blocks, grouped for products of one or two rows and for more: one row
-        # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with three
-        # runs per output), but the 2- and 4-output tiles of more rows read groups of 8 ~20% slower.
-        self.few, self.many = (blocks.grouped(group) for group in GROUPS)
-        self.function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind])
+    def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        if activations == "q8" and not vnni_supported():
+            raise NotImplementedError("products on 8-bit rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks")
+        self.kind, self.activations = blocks.kind, activations
+        if activations == "q8":  # one layout: every row count reads 16 outputs' blocks as one run of memory
+            self.few = blocks.vnni()
+            self.many = None
+        else:
+            # Two copies of the blocks, grouped for products of one or two rows and for more: one row
+            # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with three
+            # runs per output), but the 2- and 4-output tiles of more rows read groups of 8 ~20% slower.
+            self.few, self.many = (blocks.grouped(group) for group in GROUPS)
+        self.function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind, activations])
         self.outputs, self.inputs = blocks.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,19 +366,19 @@ class BlockProduct:
             raise ValueError(f"the block product takes float32 CPU rows of {inputs}, not {x.dtype} {tuple(x.shape)} on {x.device}")
         rows = x.reshape(-1, inputs).contiguous()
         out = torch.empty(rows.shape[0], outputs)
-        self.function(
-            rows.data_ptr(), rows.shape[0], inputs, self.few.data_ptr(), self.many.data_ptr(), out.data_ptr(), outputs, torch.get_num_threads()
-        )
+        blocks = (self.few.data_ptr(),) if self.many is None else (self.few.data_ptr(), self.many.data_ptr())
+        self.function(rows.data_ptr(), rows.shape[0], inputs, *blocks, out.data_ptr(), outputs, torch.get_num_threads())
         return out.reshape(*x.shape[:-1], outputs)
 
 
-def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None) -> Linear:
+def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> Linear:
     """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
-    return BlockProduct(blocks, kernels)
+    return BlockProduct(blocks, kernels, activations)
 
 
 def _blocks_arg(product: BlockProduct) -> _BlocksArg:
-    return _BlocksArg(BLOCK_TYPES.index(product.kind), product.few.data_ptr(), product.many.data_ptr())
+    kind = BLOCK_TYPES.index(product.kind) + len(BLOCK_TYPES) * ACTIVATIONS.index(product.activations)  # blocks.c: agentspec_blocks.kind
+    return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
 
 
 class BlockLlamaPass(FusedLlamaPass):

@@ -32,7 +32,13 @@ Reduced precision (``REDUCED``), asked for by name, never chosen by ``"auto"``:
   are those of another model — the loaded one with bfloat16 linear weights (up to ~0.9 apart on the
   default model) — so its greedy output can differ from plain float32 decoding; speculative decoding
   on it equals plain decoding on it, token for token, as with every pass (``tests/test_weights.py``).
-  ``"auto"`` keeps the loaded model's logits, so it does not pick this one. The loaded model is shared
+  ``"auto"`` keeps the loaded model's logits, so it does not pick this one.
+- ``"gguf-q8"``: the ``"gguf"`` pass with each product's input rows quantised to 8 bits per block
+  of 32 (a scale per block, as llama.cpp multiplies these blocks), multiplied by the file's own
+  codes with AVX512-VNNI integer dot products (``blocks.c``). The weights are the file's, unchanged;
+  the activations are rounded, so its logits are another model's (llama.cpp's arithmetic). Four
+  times the multiply-adds per instruction: a pass of several positions costs little more than one.
+The loaded model is shared
 and stays untouched (``generate``, draft models and the bench's baselines use it); the faster passes
 hold a second copy of the linear weights (540 MB for the default model in float32).
 """
@@ -68,7 +74,7 @@ log = logging.getLogger("agentspec.engine")
 
 CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "static")  # the loaded model's logits: "auto" picks among them
 GPU_CANDIDATES: tuple[str, ...] = ("static",)  # "auto" considers them on CUDA only
-REDUCED: tuple[str, ...] = ("bf16",)  # other logits (rounded weights): only when asked for
+REDUCED: tuple[str, ...] = ("bf16", "gguf-q8")  # other logits (rounded weights or activations): only when asked for
 WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *REDUCED)
 # bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
 REDUCED_TOLERANCE = 2.0
@@ -216,11 +222,12 @@ def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: i
 
 def _build(model: Any, name: str, gguf_file: Path | None = None) -> PassFunction:
     """The pass ``name`` over ``model``; ``NotImplementedError`` where it cannot run."""
-    if name == "gguf":
-        reason = blocks_unsupported(model, gguf_file) or onednn_supported(model)
+    if name in ("gguf", "gguf-q8"):
+        activations = "q8" if name == "gguf-q8" else "float32"
+        reason = blocks_unsupported(model, gguf_file, activations) or onednn_supported(model)
         if reason is not None:
             raise NotImplementedError(reason)
-        blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear)
+        blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear, activations=activations)
         try:  # the decoder layers in one compiled call where every layer product has blocks
             return BlockLlamaPass(model, blocks)
         except NotImplementedError as exc:
