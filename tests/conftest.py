@@ -10,6 +10,7 @@ import torch
 
 import agentspec
 from agentspec.engine import Engine, Sequence
+from agentspec.engine.weights import REDUCED
 from agentspec.model import LoadedModel, load_model
 from agentspec.params import GenerationParams
 
@@ -33,6 +34,18 @@ def engine(loaded: LoadedModel) -> Engine:
     engine = Engine(loaded)
     engine.calibrate()
     return engine
+
+
+@pytest.fixture(scope="session")
+def exact_engine(loaded: LoadedModel, engine: Engine) -> Engine:
+    """An engine on the loaded model's own float32 arithmetic, for comparisons with transformers: the
+    default engine, unless "auto" chose reduced precision here ("gguf-q8" on a CPU with VNNI); then
+    the same blocks on float32 rows."""
+    if engine.weights.name not in REDUCED:
+        return engine
+    exact = Engine(loaded, weights="gguf")
+    exact.calibrate()
+    return exact
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,9 @@
 
 Real default model, 20 agent-style prompts, K in {1, 4, 8} with K pinned (adaptive=False), so every
 available n-gram draft is verified at full length: acceptances, rejections and rollbacks all happen.
+Speculative against plain decoding on the default engine (whatever its pass, reduced precision
+included); plain decoding against transformers on the loaded model's own float32 arithmetic
+(``exact_engine``: the default engine, or "gguf" where "auto" chose "gguf-q8").
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def references(loaded, engine):
-    """Per prompt: (prompt ids, transformers greedy tokens, agentspec plain tokens), computed once."""
-    cache: dict[int, tuple[list[int], list[int], list[int]]] = {}
+def references(loaded, engine, exact_engine):
+    """Per prompt: (prompt ids, transformers greedy tokens, agentspec plain tokens on the default
+    engine, and on the exact one), computed once."""
+    cache: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
 
     def get(index: int):
         if index not in cache:
@@ -67,7 +71,8 @@ def references(loaded, engine):
             plain_params = GenerationParams(max_tokens=MAX_TOKENS, spec=SpecConfig(enabled=False))
             plain, _ = decode(engine, prompt_ids, plain_params)
             assert plain.stats.drafted_tokens == 0
-            cache[index] = (prompt_ids, hf, plain.tokens[len(prompt_ids) :])
+            exact = plain if exact_engine is engine else decode(exact_engine, prompt_ids, plain_params)[0]
+            cache[index] = (prompt_ids, hf, plain.tokens[len(prompt_ids) :], exact.tokens[len(prompt_ids) :])
         return cache[index]
 
     return get
@@ -75,14 +80,14 @@ def references(loaded, engine):
 
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_plain_matches_transformers_generate(references, index):
-    _, hf, plain = references(index)
-    assert plain == hf
+    _, hf, _, exact = references(index)
+    assert exact == hf
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
 def test_speculative_matches_plain(references, engine, index, k):
-    prompt_ids, _, plain = references(index)
+    prompt_ids, _, plain, _ = references(index)
     params = GenerationParams(max_tokens=MAX_TOKENS, spec=SpecConfig(max_draft_tokens=k, adaptive=False))
     seq, _ = decode(engine, prompt_ids, params)
     assert seq.tokens[len(prompt_ids) :] == plain
@@ -95,7 +100,7 @@ def test_drafts_are_exercised(references, engine):
     """The K sweep is only meaningful if drafts get both accepted and rejected across the prompts."""
     accepted = rejected = 0
     for index in (0, 3, 5, 6, 9):
-        prompt_ids, _, _ = references(index)
+        prompt_ids, _, _, _ = references(index)
         params = GenerationParams(max_tokens=MAX_TOKENS, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
         seq, _ = decode(engine, prompt_ids, params)
         accepted += seq.stats.accepted_tokens

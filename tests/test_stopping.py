@@ -58,7 +58,7 @@ def unstopped(loaded, prompt_ids):
 
 
 def oracle_engine(engine: Engine, continuation: list[int]) -> Engine:
-    oracle = Engine(engine.loaded, drafter_factory=lambda params: OracleDrafter(continuation))
+    oracle = Engine(engine.loaded, weights=engine.weights.name, drafter_factory=lambda params: OracleDrafter(continuation))
     oracle.costs = engine.costs
     return oracle
 
@@ -67,7 +67,9 @@ def pinned(k: int, **params) -> GenerationParams:
     return GenerationParams(spec=SpecConfig(max_draft_tokens=k, adaptive=False), **params)
 
 
-def test_stop_token_inside_an_accepted_block(engine, loaded):
+def test_stop_token_inside_an_accepted_block(exact_engine, loaded):
+    """On the loaded model's own arithmetic, which transformers' continuation past the stop is of."""
+    engine = exact_engine
     prompt_ids = loaded.chat.encode([{"role": "user", "content": SHORT}])
     unstopped = greedy_ignoring_stops(loaded, prompt_ids, 48)
     stops = loaded.stop_token_ids

@@ -21,6 +21,7 @@ from agentspec.engine.weights import (
     CANDIDATES,
     GPU_CANDIDATES,
     REDUCED,
+    WEIGHTS,
     OneDNNLinear,
     bf16_supported,
     onednn_linear,
@@ -91,8 +92,9 @@ def test_select_weights_measures_caches_and_explains(loaded):
     assert eager.name == "eager" and eager.reason == "requested"
     auto = select_weights(tiny, layout, "auto")
     # every candidate but the GGUF blocks, which need the file the model was read from
-    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf", *GPU_CANDIDATES}
+    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf", "gguf-q8", *GPU_CANDIDATES}
     assert "gguf: the model was not read from a GGUF file" in auto.reason and "static: a GPU pass" in auto.reason
+    assert "gguf-q8: the model was not read from a GGUF file" in auto.reason
     assert all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
     assert auto.name == min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name])) and "measured" in auto.reason
     assert select_weights(tiny, layout, "auto") is auto  # decided once per model
@@ -228,7 +230,8 @@ def test_default_engine_states_its_weights(engine):
     assert chosen.name in CANDIDATES and engine.forward is chosen.forward
     assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
-        expected = set(CANDIDATES) - set(GPU_CANDIDATES) - ({"gguf"} if blocks_unsupported(engine.loaded.model, engine.loaded.gguf_file) else set())
+        expected = set(CANDIDATES) - set(GPU_CANDIDATES)
+        expected -= {name for name in ("gguf", "gguf-q8") if _unsupported(name, engine.loaded)}
         assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 
@@ -240,7 +243,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("weights", [*CANDIDATES, *REDUCED])
+@pytest.mark.parametrize("weights", WEIGHTS[1:])
 def test_greedy_speculative_matches_plain_with_either_weights(loaded, engine, weights):
     """Each kernel choice against plain decoding of the same weights (the equivalence suite runs the
     default choice): K pinned at 8, so drafts are verified at full length and rolled back."""

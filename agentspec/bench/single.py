@@ -8,8 +8,9 @@ Each row: {workload, system, tokens, seconds, tokens_per_s, target_forwards, ide
 spread, acceptance, tokens_per_pass, accepted_by_source} (``seconds`` is the median of the repeats,
 ``spread`` their (max − min) / median),
 where ``identical_to_plain`` compares the output with the first system run (``hf_plain`` by default;
-``agentspec_plain`` under the same grammar for the constrained workloads; outlines by text, as it
-returns text). Speed is always a ratio against a baseline measured in the same process, never an
+``agentspec_plain`` under the same grammar for the constrained workloads, when sampling, on reduced
+precision — another model's logits than transformers' — or without ``hf_plain`` in the run;
+outlines by text, as it returns text). Speed is always a ratio against a baseline measured in the same process, never an
 absolute claim.
 
 ``ngram_oracle_speedup`` bounds what the n-gram drafter could gain on a known output;
@@ -29,6 +30,7 @@ import torch
 from ..client import Client
 from ..drafting import NgramIndex
 from ..drafting.base import common_prefix
+from ..engine.weights import REDUCED
 from ..metrics import sum_stats
 from ..params import parse_params
 from ..structured.tools import with_tool_prompt
@@ -219,8 +221,10 @@ async def run_bench(
     for work in workloads:
         limit = max_tokens or work.max_tokens
         chosen = [system for system in systems if applies(system, work, client) and (system.startswith("agentspec") or not temperature)]
-        # the reference output: transformers plain, or agentspec plain under the same grammar or sampling
-        first = "agentspec_plain" if work.constrained or temperature else "hf_plain"
+        # the reference output: transformers plain, or agentspec plain under the same grammar, sampling,
+        # reduced precision (whose plain decoding is another model's), or when transformers does not run
+        same_model = client.engine.weights.name not in REDUCED and "hf_plain" in chosen
+        first = "hf_plain" if same_model and not (work.constrained or temperature) else "agentspec_plain"
         chosen.sort(key=lambda system: system != first)
         reference: _Run | None = None
         for system in chosen:
