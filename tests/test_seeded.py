@@ -90,12 +90,11 @@ async def test_every_source_and_k_gives_plain_sampling(client, cold_and_plain, n
     _, plain = cold_and_plain
     got = await run_all(client, REQUESTS, SPECS[name])  # warm: the suffix cache holds the plain outputs
     assert differences([c.token_ids for c in got], plain) == []
-    # with K pinned, drafts are verified, accepted and rejected (adaptive K follows timings: any);
-    # the suffix cache drafts the plain outputs themselves, so it is rarely wrong (4-9 rollbacks)
+    # with K pinned, drafts are verified, accepted and rejected (adaptive K follows timings: any)
     if name == "k0":
         assert total(got, "drafted_tokens") == 0
     elif not SPECS[name].adaptive:
-        assert total(got, "accepted_tokens") > 10 and total(got, "rollbacks") > 0
+        assert total(got, "accepted_tokens") > 10 and total(got, "rollbacks") > 5
 
 
 async def test_a_request_alone_gives_plain_sampling(client, cold_and_plain):

@@ -22,22 +22,18 @@ The candidates (``CANDIDATES``):
   for the whole pass, CUDA graphs per pass shape (``static.py``). A GPU pass: ``"auto"`` considers
   it on CUDA only; on a CPU it runs (eagerly) when asked for by name.
 
-- ``"gguf-q8"``: the ``"gguf"`` pass on 8-bit activations (below).
-
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
-the model's (within float32 rounding; within ``REDUCED_TOLERANCE`` for reduced precision), times
-each on 1- and 8-position passes, and keeps the fastest. Where the CPU has AVX512-VNNI that is
-``"gguf-q8"`` (a pass of 8 positions about 2x one position, against 4x on float32 rows); ask for
-``"gguf"`` for the loaded model's own float32 products.
+the model's, times each on 1- and 8-position passes, and keeps the fastest.
 
-Reduced precision (``REDUCED``): another model's logits.
+Reduced precision (``REDUCED``), asked for by name, never chosen by ``"auto"``: another model's
+logits.
 - ``"bf16"``: the fused pass with its linear weights rounded to bfloat16 and packed for oneDNN (CPUs
   with AVX-512; half the bytes a token streams). Activations, norms, attention and the cache stay
   float32; each product takes its input rounded to bfloat16 and accumulates in float32. Its logits
   are those of another model — the loaded one with bfloat16 linear weights (up to ~0.9 apart on the
   default model) — so its greedy output can differ from plain float32 decoding; speculative decoding
   on it equals plain decoding on it, token for token, as with every pass (``tests/test_weights.py``).
-  ``"auto"`` does not build it (it is slower than float32 here: oneDNN's bfloat16 products in eager).
+  It is slower than float32 here (oneDNN's bfloat16 products in eager).
 - ``"gguf-q8"``: the ``"gguf"`` pass with each product's input rows quantised to 8 bits per block
   of 32 (a scale per block, as llama.cpp multiplies these blocks), multiplied by the file's own
   codes with AVX512-VNNI integer dot products (``blocks.c``). The weights are the file's, unchanged;
@@ -45,7 +41,9 @@ Reduced precision (``REDUCED``): another model's logits.
   teacher-forced tokens of text, the greedy choice of the float32 pass at 96.2% of positions
   (``"bf16"``: 97.0%). Four times the multiply-adds per instruction: a pass of 8 positions took
   7.8–9.0 ms against 20.9–21.7 on float32 rows, one position 4.2–4.7 against 5.0–5.7, a 512-token
-  prefill 416–450 against 1265–1277 ms.
+  prefill 416–450 against 1265–1277 ms. Not the default: on the repository's extraction example it
+  names the company "Northwind Traders Inc. LLC" where the float32 pass copies "Northwind Traders"
+  from the e-mail; whether the speed is worth that is the user's call.
 The loaded model is shared
 and stays untouched (``generate``, draft models and the bench's baselines use it); the faster passes
 hold a second copy of the linear weights (540 MB for the default model in float32).
@@ -80,10 +78,12 @@ __all__ = [
 
 log = logging.getLogger("agentspec.engine")
 
-CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "static", "gguf-q8")  # "auto" picks among them
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "static")  # the loaded model's logits: "auto" picks among them
 GPU_CANDIDATES: tuple[str, ...] = ("static",)  # "auto" considers them on CUDA only
 # Another model's logits (rounded weights or activations), checked against the loaded model's within
-# REDUCED_TOLERANCE; speculative decoding on them equals plain decoding on them, like every pass.
+# REDUCED_TOLERANCE; speculative decoding on them equals plain decoding on them, like every pass. Only
+# when asked for by name: "auto" keeps the loaded model's logits (``_select`` takes REDUCED names too,
+# should one join CANDIDATES).
 REDUCED: tuple[str, ...] = ("bf16", "gguf-q8")
 WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *(name for name in REDUCED if name not in CANDIDATES))
 # bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
