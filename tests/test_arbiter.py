@@ -203,15 +203,3 @@ def test_greedy_arbiter_over_ngram_and_model_equals_plain(tiny_pair):
     assert {"model", "ngram"} <= set(chosen), set(
         chosen
     )  # both kinds of draft were verified
-
-
-def test_a_costly_source_that_drafts_nothing_stops_being_run():
-    """A draft model that returns no draft (unsure of every token: the head below its confidence)
-    spent its time all the same; the arbiter counts that as a miss against it and stops running it
-    but for the odd exploration, instead of predicting it wins from what it never drafted."""
-    clock = Clock()
-    unsure = Scripted("model", lambda k: [], clock, delay_ms=1.0)
-    arbiter = ArbiterDrafter([unsure], costs(), clock=clock)
-    drafts = run(arbiter, 100)
-    assert not any(d.tokens for d in drafts)
-    assert unsure.calls <= 4 + 100 // SourceHistory().explore_every, unsure.calls

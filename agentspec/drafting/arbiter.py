@@ -13,7 +13,7 @@ Every step, for each source in order (cheapest first: n-gram, suffix, then a dra
 
 ``observe`` measures every source that proposed this step, chosen or not: the common prefix of its
 proposal and the committed tokens is how much it would have had accepted (greedy: exactly; under
-sampling a lower bound). A costly source that ran and drafted nothing counts as a miss. A source that is predicted to lose is still tried now and then, so one bad
+sampling a lower bound). A source that is predicted to lose is still tried now and then, so one bad
 stretch does not silence it for good: after 16 steps, then after twice as many each time it is
 tried and still loses (at most 256), and again after 16 once it is predicted to win.
 
@@ -186,11 +186,6 @@ class ArbiterDrafter:
                 # all `drafted` matched but the proposal went on: only those were tested
                 self.acceptance.observe(source.name, proposal.evidence, drafted, matched)
                 self.by_source.observe(source.name, 1, drafted, matched)
-            elif proposal is not None and produced and source.draft_ms(1) > CHEAP_DRAFT_MS:
-                # a costly source ran and drafted nothing (a head unsure of every token): its time is
-                # spent for no token, which is what a miss predicts; without this a source that is
-                # always unsure would be predicted to win, and run, every step
-                self.by_source.observe(source.name, 1, 1, 0)
             source.proposal = None
         self.after = 0
 
