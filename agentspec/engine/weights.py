@@ -41,12 +41,14 @@ logits.
   teacher-forced tokens of text, the greedy choice of the float32 pass at 96.2% of positions
   (``"bf16"``: 97.0%). Four times the multiply-adds per instruction: a pass of 8 positions took
   7.8–9.0 ms against 20.9–21.7 on float32 rows, one position 4.2–4.7 against 5.0–5.7, a 512-token
-  prefill 416–450 against 1265–1277 ms. Not the default: on the repository's extraction example it
-  names the company "Northwind Traders Inc. LLC" where the float32 pass copies "Northwind Traders"
-  from the e-mail; whether the speed is worth that is the user's call.
-The loaded model is shared
-and stays untouched (``generate``, draft models and the bench's baselines use it); the faster passes
-hold a second copy of the linear weights (540 MB for the default model in float32).
+  prefill 416–450 against 1265–1277 ms (README: "8-bit activations"). Not the default: on the
+  repository's extraction example it names the company "Northwind Traders Inc. LLC" where the
+  float32 pass copies "Northwind Traders" from the e-mail; whether the speed is worth that is the
+  user's call.
+
+The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
+use it); the faster passes hold a second copy of the linear weights (540 MB for the default model in
+float32).
 """
 
 from __future__ import annotations
