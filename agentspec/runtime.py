@@ -75,34 +75,17 @@ class Channel:
 
     def send(self, item: Any) -> bool:
         """Worker side. False when the event loop is closed (nobody will ever read this)."""
-        return send_all([(self, item)])[0]
+        self.produced += 1
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     async def receive(self) -> Any:
         item = await self.queue.get()
         self.consumed += 1
         return item
-
-
-def send_all(items: list[tuple[Channel, Any]]) -> list[bool]:
-    """Worker side: each item to its channel, in order, waking each event loop once for all of its
-    items (a wake-up is a write to the loop's self-pipe: one per stream per step was ~6% of an
-    8-stream decoding step). Per item, False when its event loop is closed."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Channel, Any]]] = {}
-    for channel, item in items:
-        channel.produced += 1
-        by_loop.setdefault(channel.loop, []).append((channel, item))
-    closed = set()
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:
-            closed.add(loop)
-    return [channel.loop not in closed for channel, _ in items]
-
-
-def _deliver(batch: list[tuple[Channel, Any]]) -> None:
-    for channel, item in batch:
-        channel.queue.put_nowait(item)
 
 
 class RequestHandle:
@@ -323,7 +306,6 @@ class Runtime:
             return False
         assert self.engine is not None
         results = self.engine.step_many([handle.seq for handle in ready])
-        outgoing: list[tuple[RequestHandle, StepOutput]] = []
         for handle, result in zip(ready, results):
             if isinstance(result, Exception):
                 log.error("decoding failed for one request", exc_info=result)
@@ -333,10 +315,7 @@ class Runtime:
                 self._release(handle)  # first, so metrics include the request once its Done is seen
             elif not result.token_ids and not result.text:
                 continue  # a prefill chunk: nothing to tell the consumer yet
-            outgoing.append((handle, result))
-        delivered = send_all([(handle.channel, result) for handle, result in outgoing])
-        for (handle, result), sent in zip(outgoing, delivered):
-            if not sent and result.finish_reason is None:
+            if not handle.channel.send(result) and result.finish_reason is None:
                 self._end(handle, "cancelled")
         return True
 
