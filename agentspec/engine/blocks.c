@@ -38,19 +38,6 @@
 #define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
 #define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 #define UNROLL _Pragma("GCC unroll 16")
-/* EACH(ARG, n) for n = count (1..8; more: 8) as a compile-time constant, so that the code EACH expands
-   to unrolls its loops over n and keeps its per-n arrays in registers. */
-#define BY_COUNT(count, EACH, ARG)                                                                 \
-    switch (count) {                                                                               \
-    case 1: EACH(ARG, 1) break;                                                                    \
-    case 2: EACH(ARG, 2) break;                                                                    \
-    case 3: EACH(ARG, 3) break;                                                                    \
-    case 4: EACH(ARG, 4) break;                                                                    \
-    case 5: EACH(ARG, 5) break;                                                                    \
-    case 6: EACH(ARG, 6) break;                                                                    \
-    case 7: EACH(ARG, 7) break;                                                                    \
-    default: EACH(ARG, 8) break;                                                                   \
-    }
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
    latency of the multiply-adds, few enough to stay in the 32 vector registers, and a multiple of
@@ -132,7 +119,16 @@ static inline __attribute__((always_inline)) void q8_0_tile(const float *x, cons
     for (int r0 = 0; r0 < M; r0 += MR) {                                                           \
         const float *xr = x + (size_t)r0 * K;                                                      \
         float *yr = y + (size_t)r0 * N;                                                            \
-        BY_COUNT(M - r0, CHUNK, TILE)                                                              \
+        switch (M - r0 < MR ? M - r0 : MR) {                                                       \
+        case 1: CHUNK(TILE, 1) break;                                                              \
+        case 2: CHUNK(TILE, 2) break;                                                              \
+        case 3: CHUNK(TILE, 3) break;                                                              \
+        case 4: CHUNK(TILE, 4) break;                                                              \
+        case 5: CHUNK(TILE, 5) break;                                                              \
+        case 6: CHUNK(TILE, 6) break;                                                              \
+        case 7: CHUNK(TILE, 7) break;                                                              \
+        default: CHUNK(TILE, 8) break;                                                             \
+        }                                                                                          \
     }
 
 /* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in blocks.py). */
@@ -263,7 +259,16 @@ static inline __attribute__((always_inline)) void vnni_tile(const int q8_0, cons
     for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
         const size_t at = (size_t)r0 * nb;                                                         \
         const agentspec_q8_rows part = {q.codes + at * 32, q.scale + at, q.scaled_sum + at, q.sum + at}; \
-        BY_COUNT(M - r0, VNNI_CHUNK, Q8_0)                                                         \
+        switch (M - r0 < ROWS8 ? M - r0 : ROWS8) {                                                 \
+        case 1: VNNI_CHUNK(Q8_0, 1) break;                                                         \
+        case 2: VNNI_CHUNK(Q8_0, 2) break;                                                         \
+        case 3: VNNI_CHUNK(Q8_0, 3) break;                                                         \
+        case 4: VNNI_CHUNK(Q8_0, 4) break;                                                         \
+        case 5: VNNI_CHUNK(Q8_0, 5) break;                                                         \
+        case 6: VNNI_CHUNK(Q8_0, 6) break;                                                         \
+        case 7: VNNI_CHUNK(Q8_0, 7) break;                                                         \
+        default: VNNI_CHUNK(Q8_0, 8) break;                                                        \
+        }                                                                                          \
     }                                                                                              \
     free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
 
@@ -424,11 +429,18 @@ static inline __attribute__((always_inline)) void attend_chunks(const int chunks
     }
 }
 
-#define ATTEND_CHUNKS(_, CHUNKS) attend_chunks(CHUNKS, q, queries, keys, values, seen, scaling, p, stride, out);
-
 static void attend(const float *q, int queries, int head_dim, const float *keys, const float *values, int seen, float scaling, float *p,
                    size_t stride, float *out) {
-    BY_COUNT(head_dim / 16, ATTEND_CHUNKS, _) /* head_dim <= 128 (blocks.py) */
+    switch (head_dim / 16) {
+    case 1: attend_chunks(1, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 2: attend_chunks(2, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 3: attend_chunks(3, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 4: attend_chunks(4, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 5: attend_chunks(5, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 6: attend_chunks(6, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    case 7: attend_chunks(7, q, queries, keys, values, seen, scaling, p, stride, out); break;
+    default: attend_chunks(8, q, queries, keys, values, seen, scaling, p, stride, out); break; /* head_dim <= 128 (blocks.py) */
+    }
 }
 
 void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
