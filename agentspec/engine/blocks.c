@@ -367,25 +367,23 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
 
 /* Causal attention of one token's `queries` query heads (consecutive at q, head_dim apart) that
    share one key/value head, over its first `seen` keys and values ([seen, head_dim] each): softmax of
-   the scaled scores, times the values, into out (the heads side by side). `chunks` = head_dim / 16,
-   a compile-time constant at each call site (attend), so a query and the sums live in registers.
-   The keys and values are read once for all the heads: 16 keys at a time, reused from cache by each
-   head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
-   same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
-   summed by reduce16's tree, and a head's values are summed in key order. */
-static inline __attribute__((always_inline)) void attend_chunks(const int chunks, const float *q, int queries, const float *keys, const float *values,
-                                                               int seen, float scaling, float *p, size_t stride, float *out) {
-    const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
+   the scaled scores, times the values, into out (the heads side by side). The keys and values are
+   read from memory once for all the heads, 16 at a time, and reused from cache by each; every head's
+   arithmetic is the same whatever shares the chunk, the job or the pass: a key's score is one
+   16-lane accumulation summed by reduce16's tree, and a head's values are summed in key order. */
+static void attend(const float *q, int queries, int head_dim, const float *keys, const float *values, int seen, float scaling,
+                   float *p, size_t stride, float *out) {
+    const int chunks = head_dim / 16;
     for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
         const int live = seen - s0 < 16 ? seen - s0 : 16;
         for (int h = 0; h < queries; h++) {
-            __m512 query[8], dots[16];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = _mm512_loadu_ps(q + (size_t)h * head_dim + 16 * i);
+            const float *qh = q + (size_t)h * head_dim;
+            __m512 dots[16];
             UNROLL for (int j = 0; j < 16; j++) {
                 dots[j] = _mm512_setzero_ps();
                 if (j < live) {
                     const float *k = keys + (size_t)(s0 + j) * head_dim;
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = _mm512_fmadd_ps(query[i], _mm512_loadu_ps(k + 16 * i), dots[j]);
+                    for (int i = 0; i < chunks; i++) dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), _mm512_loadu_ps(k + 16 * i), dots[j]);
                 }
             }
             _mm512_mask_storeu_ps(p + h * stride + s0, (__mmask16)((1u << live) - 1), _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scaling)));
@@ -407,40 +405,26 @@ static inline __attribute__((always_inline)) void attend_chunks(const int chunks
             sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(live, e));
         }
         total[h] = _mm512_reduce_add_ps(sum16);
+        memset(out + (size_t)h * head_dim, 0, sizeof(float) * head_dim);
     }
-    for (int h0 = 0; h0 < queries; h0 += group) { /* the numerators' weighted values in key order, divided by their sum */
-        const int n = queries - h0 < group ? queries - h0 : group;
-        __m512 sums[12][8];
-        UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = _mm512_setzero_ps();
-        for (int s = 0; s < seen; s++) {
-            __m512 v[8];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = _mm512_loadu_ps(values + (size_t)s * head_dim + 16 * i);
-            UNROLL for (int g = 0; g < 12; g++) {
-                if (g < group && g < n) {
-                    const __m512 weight = _mm512_set1_ps(p[(h0 + g) * stride + s]);
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) sums[g][i] = _mm512_fmadd_ps(weight, v[i], sums[g][i]);
-                }
+    for (int s0 = 0; s0 < seen; s0 += 16) { /* the numerators' weighted values, in key order */
+        const int stop = seen - s0 < 16 ? seen : s0 + 16;
+        for (int h = 0; h < queries; h++) {
+            float *oh = out + (size_t)h * head_dim;
+            const float *ph = p + h * stride;
+            __m512 sums[8]; /* head_dim <= 128 */
+            for (int i = 0; i < chunks; i++) sums[i] = _mm512_loadu_ps(oh + 16 * i);
+            for (int s = s0; s < stop; s++) {
+                const __m512 weight = _mm512_set1_ps(ph[s]);
+                const float *v = values + (size_t)s * head_dim;
+                for (int i = 0; i < chunks; i++) sums[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * i), sums[i]);
             }
+            for (int i = 0; i < chunks; i++) _mm512_storeu_ps(oh + 16 * i, sums[i]);
         }
-        UNROLL for (int g = 0; g < 12; g++)
-            if (g < group && g < n)
-                UNROLL for (int i = 0; i < 8; i++)
-                    if (i < chunks) _mm512_storeu_ps(out + (size_t)(h0 + g) * head_dim + 16 * i, _mm512_div_ps(sums[g][i], _mm512_set1_ps(total[h0 + g])));
     }
-}
-
-static void attend(const float *q, int queries, int head_dim, const float *keys, const float *values, int seen, float scaling, float *p,
-                   size_t stride, float *out) {
-    switch (head_dim / 16) {
-    case 1: attend_chunks(1, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 2: attend_chunks(2, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 3: attend_chunks(3, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 4: attend_chunks(4, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 5: attend_chunks(5, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 6: attend_chunks(6, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    case 7: attend_chunks(7, q, queries, keys, values, seen, scaling, p, stride, out); break;
-    default: attend_chunks(8, q, queries, keys, values, seen, scaling, p, stride, out); break; /* head_dim <= 128 (blocks.py) */
-    }
+    for (int h = 0; h < queries; h++) /* divided by their sum */
+        for (int i = 0; i < chunks; i++)
+            _mm512_storeu_ps(out + (size_t)h * head_dim + 16 * i, _mm512_div_ps(_mm512_loadu_ps(out + (size_t)h * head_dim + 16 * i), _mm512_set1_ps(total[h])));
 }
 
 void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
