@@ -38,6 +38,19 @@
 #define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
 #define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 #define UNROLL _Pragma("GCC unroll 16")
+/* EACH(ARG, n) for n = count (1..8; more: 8) as a compile-time constant, so that the code EACH expands
+   to unrolls its loops over n and keeps its per-n arrays in registers. */
+#define BY_COUNT(count, EACH, ARG)                                                                 \
+    switch (count) {                                                                               \
+    case 1: EACH(ARG, 1) break;                                                                    \
+    case 2: EACH(ARG, 2) break;                                                                    \
+    case 3: EACH(ARG, 3) break;                                                                    \
+    case 4: EACH(ARG, 4) break;                                                                    \
+    case 5: EACH(ARG, 5) break;                                                                    \
+    case 6: EACH(ARG, 6) break;                                                                    \
+    case 7: EACH(ARG, 7) break;                                                                    \
+    default: EACH(ARG, 8) break;                                                                   \
+    }
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
    latency of the multiply-adds, few enough to stay in the 32 vector registers, and a multiple of
@@ -119,16 +132,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(const float *x, cons
     for (int r0 = 0; r0 < M; r0 += MR) {                                                           \
         const float *xr = x + (size_t)r0 * K;                                                      \
         float *yr = y + (size_t)r0 * N;                                                            \
-        switch (M - r0 < MR ? M - r0 : MR) {                                                       \
-        case 1: CHUNK(TILE, 1) break;                                                              \
-        case 2: CHUNK(TILE, 2) break;                                                              \
-        case 3: CHUNK(TILE, 3) break;                                                              \
-        case 4: CHUNK(TILE, 4) break;                                                              \
-        case 5: CHUNK(TILE, 5) break;                                                              \
-        case 6: CHUNK(TILE, 6) break;                                                              \
-        case 7: CHUNK(TILE, 7) break;                                                              \
-        default: CHUNK(TILE, 8) break;                                                             \
-        }                                                                                          \
+        BY_COUNT(M - r0, CHUNK, TILE)                                                              \
     }
 
 /* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in blocks.py). */
@@ -259,16 +263,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int q8_0, cons
     for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
         const size_t at = (size_t)r0 * nb;                                                         \
         const agentspec_q8_rows part = {q.codes + at * 32, q.scale + at, q.scaled_sum + at, q.sum + at}; \
-        switch (M - r0 < ROWS8 ? M - r0 : ROWS8) {                                                 \
-        case 1: VNNI_CHUNK(Q8_0, 1) break;                                                         \
-        case 2: VNNI_CHUNK(Q8_0, 2) break;                                                         \
-        case 3: VNNI_CHUNK(Q8_0, 3) break;                                                         \
-        case 4: VNNI_CHUNK(Q8_0, 4) break;                                                         \
-        case 5: VNNI_CHUNK(Q8_0, 5) break;                                                         \
-        case 6: VNNI_CHUNK(Q8_0, 6) break;                                                         \
-        case 7: VNNI_CHUNK(Q8_0, 7) break;                                                         \
-        default: VNNI_CHUNK(Q8_0, 8) break;                                                        \
-        }                                                                                          \
+        BY_COUNT(M - r0, VNNI_CHUNK, Q8_0)                                                         \
     }                                                                                              \
     free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
 
@@ -321,6 +316,21 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The sums of 16 vectors' lanes, as one vector (lane j: the sum of a[j]'s lanes), by a fixed tree:
+   pairs of elements within 128-bit lanes, then pairs of pairs, then the four 128-bit lanes. Every
+   vector's sum takes the same additions in the same order wherever it sits among the 16, so a key's
+   score does not depend on which keys share its chunk. */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (a[2i] 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3) */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: (0+2)+(1+3) of a[4i], a[4i+1], a[4i+2], a[4i+3] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0+1 and 2+3 of c[2i], then of c[2i+1] */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
     switch (w->kind) {
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
@@ -350,6 +360,77 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
     }
 }
 
+/* Causal attention of one token's `queries` query heads (consecutive at q, head_dim apart) that
+   share one key/value head, over its first `seen` keys and values ([seen, head_dim] each): softmax of
+   the scaled scores, times the values, into out (the heads side by side). `chunks` = head_dim / 16,
+   a compile-time constant at each call site (attend), so a query and the sums live in registers.
+   The keys and values are read once for all the heads: 16 keys at a time, reused from cache by each
+   head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
+   same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
+   summed by reduce16's tree, and a head's values are summed in key order. */
+static inline __attribute__((always_inline)) void attend_chunks(const int chunks, const float *q, int queries, const float *keys, const float *values,
+                                                               int seen, float scaling, float *p, size_t stride, float *out) {
+    const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
+    for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
+        const int live = seen - s0 < 16 ? seen - s0 : 16;
+        for (int h = 0; h < queries; h++) {
+            __m512 query[8], dots[16];
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = _mm512_loadu_ps(q + (size_t)h * head_dim + 16 * i);
+            UNROLL for (int j = 0; j < 16; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j < live) {
+                    const float *k = keys + (size_t)(s0 + j) * head_dim;
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = _mm512_fmadd_ps(query[i], _mm512_loadu_ps(k + 16 * i), dots[j]);
+                }
+            }
+            _mm512_mask_storeu_ps(p + h * stride + s0, (__mmask16)((1u << live) - 1), _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scaling)));
+        }
+    }
+    float total[queries];
+    for (int h = 0; h < queries; h++) { /* softmax numerators and their sum, 16 scores at a time (the last chunk masked) */
+        float *ph = p + h * stride;
+        __m512 highest = _mm512_set1_ps(-INFINITY), sum16 = _mm512_setzero_ps();
+        for (int s = 0; s < seen; s += 16) {
+            const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
+            highest = _mm512_mask_max_ps(highest, live, highest, _mm512_maskz_loadu_ps(live, ph + s));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(highest));
+        for (int s = 0; s < seen; s += 16) {
+            const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, ph + s), top));
+            _mm512_mask_storeu_ps(ph + s, live, e);
+            sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(live, e));
+        }
+        total[h] = _mm512_reduce_add_ps(sum16);
+    }
+    for (int h0 = 0; h0 < queries; h0 += group) { /* the numerators' weighted values in key order, divided by their sum */
+        const int n = queries - h0 < group ? queries - h0 : group;
+        __m512 sums[12][8];
+        UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = _mm512_setzero_ps();
+        for (int s = 0; s < seen; s++) {
+            __m512 v[8];
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = _mm512_loadu_ps(values + (size_t)s * head_dim + 16 * i);
+            UNROLL for (int g = 0; g < 12; g++) {
+                if (g < group && g < n) {
+                    const __m512 weight = _mm512_set1_ps(p[(h0 + g) * stride + s]);
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) sums[g][i] = _mm512_fmadd_ps(weight, v[i], sums[g][i]);
+                }
+            }
+        }
+        UNROLL for (int g = 0; g < 12; g++)
+            if (g < group && g < n)
+                UNROLL for (int i = 0; i < 8; i++)
+                    if (i < chunks) _mm512_storeu_ps(out + (size_t)(h0 + g) * head_dim + 16 * i, _mm512_div_ps(sums[g][i], _mm512_set1_ps(total[h0 + g])));
+    }
+}
+
+#define ATTEND_CHUNKS(_, CHUNKS) attend_chunks(CHUNKS, q, queries, keys, values, seen, scaling, p, stride, out);
+
+static void attend(const float *q, int queries, int head_dim, const float *keys, const float *values, int seen, float scaling, float *p,
+                   size_t stride, float *out) {
+    BY_COUNT(head_dim / 16, ATTEND_CHUNKS, _) /* head_dim <= 128 (blocks.py) */
+}
+
 void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
                             int layers, const agentspec_layer *weights, const float *cos, const float *sin, float scaling,
                             const agentspec_segment *segments, int nseg, int threads) {
@@ -363,7 +444,10 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *up = malloc(sizeof(float) * (size_t)T * 2 * intermediate);
     float *delta = malloc(sizeof(float) * (size_t)T * H);
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * longest);
+    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * groups * (longest + 16));
+    int *segment_of = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1)); /* each token's sequence */
+    for (int g = 0; g < nseg; g++)
+        for (int t = segments[g].start; t < segments[g].stop; t++) segment_of[t] = g;
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;
         rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
@@ -393,46 +477,17 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
                     memcpy(values + slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim, sizeof(float) * head_dim);
                 }
         }
-        /* causal attention: each (token, head) over its sequence's keys up to its own position */
-        for (int g = 0; g < nseg; g++) {
-            const agentspec_segment *seg = segments + g;
-            const int new = seg->stop - seg->start;
-            #pragma omp parallel for schedule(static) num_threads(threads)
-            for (int job = 0; job < new * heads; job++) {
-                const int t = seg->start + job / heads, h = job % heads, kvh = h / groups;
-                const int seen = seg->past + (t - seg->start) + 1;
-                const float *q = qkv + (size_t)t * width + (size_t)h * head_dim;
-                const float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * (size_t)seg->capacity * head_dim;
-                const float *values = seg->kv + (((size_t)l * 2 + 1) * kv_heads + kvh) * (size_t)seg->capacity * head_dim;
-                float *p = scores + (size_t)omp_get_thread_num() * longest;
-                float top = -INFINITY;
-                for (int s = 0; s < seen; s++) {
-                    const float *k = keys + (size_t)s * head_dim;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int i = 0; i < head_dim; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-                    p[s] = _mm512_reduce_add_ps(acc) * scaling;
-                    if (p[s] > top) top = p[s];
-                }
-                /* softmax numerators and their sum, 16 scores at a time (the last chunk masked) */
-                __m512 sum16 = _mm512_setzero_ps();
-                const __m512 top16 = _mm512_set1_ps(top);
-                for (int s = 0; s < seen; s += 16) {
-                    const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
-                    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + s), top16));
-                    _mm512_mask_storeu_ps(p + s, live, e);
-                    sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(live, e));
-                }
-                const float total = _mm512_reduce_add_ps(sum16);
-                float *out = attn + (size_t)t * q_size + (size_t)h * head_dim;
-                __m512 sums[8]; /* head_dim <= 128 */
-                for (int i = 0; i < head_dim / 16; i++) sums[i] = _mm512_setzero_ps();
-                for (int s = 0; s < seen; s++) {
-                    const __m512 weight = _mm512_set1_ps(p[s] / total);
-                    const float *v = values + (size_t)s * head_dim;
-                    for (int i = 0; i < head_dim / 16; i++) sums[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * i), sums[i]);
-                }
-                for (int i = 0; i < head_dim / 16; i++) _mm512_storeu_ps(out + 16 * i, sums[i]);
-            }
+        /* causal attention: each token's query heads over its sequence's keys up to its own position,
+           a job per (token, key/value head), all the pass's sequences in one parallel loop */
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int job = 0; job < T * kv_heads; job++) {
+            const int t = job / kv_heads, kvh = job % kv_heads;
+            const agentspec_segment *seg = segments + segment_of[t];
+            const size_t head = (size_t)seg->capacity * head_dim; /* one head's keys (or values) in the block */
+            const float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * head, *values = keys + (size_t)kv_heads * head;
+            attend(qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, keys, values, seg->past + (t - seg->start) + 1,
+                   scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
+                   attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }
         blocks_product(&w->o, attn, T, q_size, delta, H, threads);
         for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
@@ -453,5 +508,5 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
         for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
     }
-    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores);
+    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(segment_of);
 }
