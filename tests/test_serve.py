@@ -245,17 +245,34 @@ async def test_api_key_is_required(server, model):
 
 async def test_full_queue_is_429(api, http, model):
     await wait_idle(http, within_s=30)
-    # long enough that neither finishes before the third arrives (the engine decodes ~100 tok/s here)
+    # long enough that neither finishes before the third arrives (the engine decodes ~100-250 tok/s here)
     request = dict(model=model, messages=STORY, max_tokens=1024, stream=True)
     streams = [await api.chat.completions.create(**request) for _ in range(MAX_QUEUED)]  # each submitted before its headers
     try:
-        with pytest.raises(openai.RateLimitError) as refused:
-            streams.append(await api.chat.completions.create(**request))  # closed below should it be accepted
-        assert refused.value.body["code"] == "engine_overloaded"
+        pending = (await http.get("/health")).json()["pending_requests"]
+        try:
+            third = await api.chat.completions.create(**request)
+        except openai.RateLimitError as refused:
+            assert refused.body["code"] == "engine_overloaded"
+        else:  # say what became of the first two (a flake seen twice in CI, not reproduced alone)
+            streams.append(third)
+            ends = [await _how_it_ended(stream) for stream in streams[:MAX_QUEUED]]
+            pytest.fail(f"a third request was admitted; {pending} were pending just before; the first two ended: {ends}")
     finally:
         for stream in streams:
             await stream.close()
     await wait_idle(http, within_s=5)
+
+
+async def _how_it_ended(stream) -> str:
+    chunks, finish = 0, None
+    try:
+        async for chunk in stream:
+            chunks += 1
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    except Exception as exc:  # noqa: BLE001 - a diagnosis: whatever it raised is the answer
+        return f"{chunks} chunks, then {type(exc).__name__}: {exc}"
+    return f"{chunks} chunks, finish_reason {finish}"
 
 
 async def test_disconnect_mid_stream_frees_the_engine(api, http, model):
