@@ -49,15 +49,23 @@ def _random_blocks(kind: str, outputs: int, inputs: int, seed: int) -> Blocks:
     return Blocks(kind, codes, scales, mins)
 
 
-def _q8_reference(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """What the 8-bit products compute (blocks.c), in float64 from exact integer dot products: each
-    row quantised per block of 32 (scale max|x| / 127, codes rounded to nearest, ties to even)."""
+# The largest code of a row's block, and the largest relative error the rounded rows may make in the
+# random products below (and the smallest: they were rounded)
+TOP_CODE = {"q8": 127.0, "q16": 32639.0}
+ERROR = {"q8": (1e-4, 0.02), "q16": (1e-7, 1e-4)}
+
+
+def _integer_reference(x: torch.Tensor, blocks: Blocks, activations: str) -> torch.Tensor:
+    """What the integer products compute (blocks.c), in float64 from exact integer dot products: each
+    row quantised per block of 32 (scale max|x| / TOP_CODE, codes rounded to nearest, ties to even;
+    "q16" splits them into two planes of bytes, which is exact)."""
     rows, inputs = x.shape
+    top_code = TOP_CODE[activations]
     chunks = x.view(rows, inputs // 32, 32)
     top = chunks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))  # (127.0 / top would multiply by a reciprocal)
+    inverse = torch.where(top > 0, torch.full_like(top, top_code) / top, torch.zeros_like(top))  # (top_code / top would multiply by a reciprocal)
     codes = torch.round(chunks * inverse).to(torch.int64)  # [rows, blocks, 32]
-    scale = (top / 127.0)[..., 0].double()  # [rows, blocks]
+    scale = (top / top_code)[..., 0].double()  # [rows, blocks]
     weights = blocks.codes.to(torch.int64)
     if blocks.kind == "Q4_1":
         weights = torch.cat([weights & 15, weights >> 4], dim=-1)
@@ -73,8 +81,8 @@ def _q8_reference(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, shape, activations):
     """A row's result is the same bits alone, as the k-th of up to 70 rows (tiles of 8 and their
     remainders), moved, or computed on another number of threads; and it is the float32 product of
-    the dequantised weights up to the order of its sums — or, on rows quantised to 8 bits ("q8"),
-    the exact integer products scaled, up to float32 rounding."""
+    the dequantised weights up to the order of its sums — or, on rows quantised to 8 or 16 bits
+    ("q8", "q16"), the exact integer products scaled, up to float32 rounding."""
     if blocks_unsupported(loaded.model, loaded.gguf_file, activations) is not None:
         pytest.skip(f"no {activations} products here: {blocks_unsupported(loaded.model, loaded.gguf_file, activations)}")
     inputs, outputs = shape  # 1003 outputs: an odd last tile
@@ -86,9 +94,10 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     if activations == "float32":
         torch.testing.assert_close(everything, x @ blocks.dequantised().T, rtol=1e-5, atol=1e-4)
     else:
-        torch.testing.assert_close(everything.double(), _q8_reference(x, blocks), rtol=1e-5, atol=1e-4)
-        exact = x @ blocks.dequantised().T
-        assert 1e-4 < (everything - exact).abs().max() / exact.abs().max() < 0.02  # the rows were rounded, not by much
+        torch.testing.assert_close(everything.double(), _integer_reference(x, blocks, activations), rtol=1e-5, atol=1e-4)
+        exact = (x.double() @ blocks.dequantised().double().T).float()
+        low, high = ERROR[activations]
+        assert low < (everything - exact).abs().max() / exact.abs().max() < high  # the rows were rounded, not by much
     alone = torch.cat([product(x[i : i + 1]) for i in range(70)])
     assert torch.equal(alone, everything)
     for rows in (2, 7, 8, 9, 17, 64, 65):

@@ -19,6 +19,7 @@ from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
 from agentspec.engine.weights import (
     CANDIDATES,
+    GGUF_ACTIVATIONS,
     GPU_CANDIDATES,
     REDUCED,
     WEIGHTS,
@@ -44,8 +45,8 @@ def _unsupported(weights: str, loaded) -> str | None:
     """Why the pass ``weights`` cannot run on ``loaded``'s model here (skip reason), or None."""
     if weights == "onednn":
         return onednn_supported(loaded.model)
-    if weights in ("gguf", "gguf-q8"):
-        return blocks_unsupported(loaded.model, loaded.gguf_file, "q8" if weights == "gguf-q8" else "float32")
+    if weights in GGUF_ACTIVATIONS:
+        return blocks_unsupported(loaded.model, loaded.gguf_file, GGUF_ACTIVATIONS[weights])
     return bf16_supported(loaded.model) if weights == "bf16" else None
 
 
@@ -155,20 +156,19 @@ def test_fused_pass_gives_the_models_logits(loaded):
         assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
 
 
-@pytest.mark.parametrize("weights", ["fused", "onednn", "gguf", "bf16", "static", "gguf-q8"])
+@pytest.mark.parametrize("weights", ["fused", "onednn", "bf16", "static", *GGUF_ACTIVATIONS])
 @torch.inference_mode()
 def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     """Item 4 of the fast-pass issue: the same token at the same place gets the same logits, bit for
     bit, as a lone plain step, as any position of a verification, and beside other sequences — on
-    the kernels the engine runs by default, on bfloat16 weights and on 8-bit activations. Otherwise a
+    the kernels the engine runs by default, on bfloat16 weights and on 8- and 16-bit activations. Otherwise a
     verification could accept what plain decoding would not write."""
     if _unsupported(weights, loaded) is not None:
         pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     model, layout = loaded.model, KVLayout.of(loaded.model)
     use_packed_attention(model)
     forward = {
-        "gguf": lambda: select_weights(model, layout, "gguf", loaded.gguf_file).forward,
-        "gguf-q8": lambda: select_weights(model, layout, "gguf-q8", loaded.gguf_file).forward,
+        **{name: lambda name=name: select_weights(model, layout, name, loaded.gguf_file).forward for name in GGUF_ACTIVATIONS},
         "fused": lambda: FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
         "onednn": lambda: functools.partial(forward_packed, with_onednn_linears(model)),
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
@@ -230,7 +230,7 @@ def test_default_engine_states_its_weights(engine):
     assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
         expected = set(CANDIDATES) - set(GPU_CANDIDATES)
-        expected -= {name for name in ("gguf", "gguf-q8") if _unsupported(name, engine.loaded)}
+        expected -= {name for name in GGUF_ACTIVATIONS if _unsupported(name, engine.loaded)}
         assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 

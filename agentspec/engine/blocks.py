@@ -64,13 +64,18 @@ BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 BLOCK_TYPES = ("Q4_1", "Q8_0")
 # What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
-# quantised to 8 bits per block of 32 as llama.cpp does (``"q8"``: another model's arithmetic, opt in)
-ACTIVATIONS = ("float32", "q8")
-LANES = 16  # outputs per group in the layout of the 8-bit products (Blocks.vnni)
+# quantised per block of 32 to integers, multiplied by the codes with VNNI's integer dot products:
+# to 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``, two planes of bytes: within ~0.01 of
+# float32's logits on the default model). Both are another model's arithmetic: opt in.
+ACTIVATIONS = ("float32", "q8", "q16")
+INTEGER_ACTIVATIONS = ("q8", "q16")  # the products that need AVX512-VNNI (vnni_supported)
+LANES = 16  # outputs per group in the layout of the integer products (Blocks.vnni)
 _SYMBOLS = {
     ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product",
     ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
+    ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
 }
+NO_VNNI = "products on integer rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks"
 _compile_lock = threading.Lock()
 
 
@@ -128,11 +133,11 @@ def _kernels() -> ctypes.CDLL | str:
             log.info("built the GGUF block kernels: %s", library)
     kernels = ctypes.CDLL(str(library))
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    vnni = ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
-    symbols = [symbol for (kind, activations), symbol in _SYMBOLS.items() if activations == "float32" or vnni]
+    vnni = _has_vnni(kernels)
+    symbols = [symbol for (kind, activations), symbol in _SYMBOLS.items() if activations not in INTEGER_ACTIVATIONS or vnni]
     for (kind, activations), symbol in _SYMBOLS.items():
         if symbol in symbols:  # (x, M, K, blocks grouped for few rows [float32 rows: and for many], y, N, threads)
-            layouts = [pointer] if activations == "q8" else [pointer, pointer]
+            layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
             getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
     # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, threads)
     kernels.agentspec_llama_layers.argtypes = [
@@ -151,10 +156,14 @@ def block_kernels() -> ctypes.CDLL:
     return kernels
 
 
+def _has_vnni(kernels: ctypes.CDLL) -> bool:
+    return ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
+
+
 def vnni_supported() -> bool:
-    """Whether the kernels here multiply blocks by 8-bit rows (AVX512-VNNI and AVX512-BW)."""
+    """Whether the kernels here multiply blocks by integer rows (AVX512-VNNI and AVX512-BW)."""
     kernels = _kernels()
-    return not isinstance(kernels, str) and ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
+    return not isinstance(kernels, str) and _has_vnni(kernels)
 
 
 def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "float32") -> str | None:
@@ -171,8 +180,8 @@ def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "f
     kernels = _kernels()
     if isinstance(kernels, str):
         return kernels
-    if activations == "q8" and not vnni_supported():
-        return "products on 8-bit rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks"
+    if activations in INTEGER_ACTIVATIONS and not _has_vnni(kernels):
+        return NO_VNNI
     return None
 
 
@@ -213,7 +222,7 @@ class Blocks:
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
 
     def vnni(self) -> torch.Tensor:
-        """The blocks as the 8-bit products of ``blocks.c`` read them: outputs in groups of 16 (the
+        """The blocks as the integer products of ``blocks.c`` read them: outputs in groups of 16 (the
         last padded with zeros); per group, its blocks in input order, each its codes as 64-byte
         registers (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's packed two to
         a byte as in the file; Q8_0's plus 128, unsigned), then the 16 scales (and minimums) as
@@ -229,7 +238,7 @@ class Blocks:
         for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
             half = values.to(torch.float16)
             if not torch.equal(half.float(), values):
-                raise NotImplementedError("the 8-bit products keep scales as float16, and these are not float16 values")
+                raise NotImplementedError("the integer products keep scales as float16, and these are not float16 values")
             half = torch.cat([half, half.new_zeros(pad, blocks)])
             parts.append(half.view(groups, LANES, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
@@ -294,8 +303,8 @@ class GGUFBlocks:
     """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
 
     ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
-    blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 bits with
-    ``activations="q8"``), else with ``fallback`` (oneDNN-packed float32)."""
+    blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 or 16 bits
+    with ``activations="q8"`` or ``"q16"``), else with ``fallback`` (oneDNN-packed float32)."""
 
     def __init__(self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
@@ -341,15 +350,15 @@ class GGUFBlocks:
 
 class BlockProduct:
     """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels; with
-    ``activations="q8"``, on the rows quantised to 8 bits per block of 32 (``blocks.c``)."""
+    ``activations="q8"`` (``"q16"``), on the rows quantised to 8 (16) bits per block of 32 (``blocks.c``)."""
 
     def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
-        if activations == "q8" and not vnni_supported():
-            raise NotImplementedError("products on 8-bit rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks")
+        if activations in INTEGER_ACTIVATIONS and not vnni_supported():
+            raise NotImplementedError(NO_VNNI)
         self.kind, self.activations = blocks.kind, activations
-        if activations == "q8":  # one layout: every row count reads 16 outputs' blocks as one run of memory
+        if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads 16 outputs' blocks as one run of memory
             self.few = blocks.vnni()
             self.many = None
         else:
