@@ -36,7 +36,7 @@ async def test_bench_rows(client, name):
     # no grammar, no earlier outputs: n-grams and the shipped draft head are the sources, each alone then both
     systems = ["hf_plain", "hf_prompt_lookup", "agentspec_plain", "agentspec[ngram]", "agentspec[model]", "agentspec"]
     # the reference is transformers plain, unless agentspec runs reduced precision (another model's
-    # logits, "gguf-q8" where "auto" picks it): then agentspec plain, first
+    # logits, "gguf-q16" where "auto" picks it): then agentspec plain, first
     reduced = client.engine.weights.name in REDUCED
     if reduced:
         systems.remove("agentspec_plain")

@@ -4,7 +4,7 @@ Real default model, 20 agent-style prompts, K in {1, 4, 8} with K pinned (adapti
 available n-gram draft is verified at full length: acceptances, rejections and rollbacks all happen.
 Speculative against plain decoding on the default engine (whatever its pass, reduced precision
 included); plain decoding against transformers on the loaded model's own float32 arithmetic
-(``exact_engine``: the default engine, or "gguf" where "auto" chose "gguf-q8").
+(``exact_engine``: the default engine, or "gguf" where "auto" chose "gguf-q16").
 """
 
 from __future__ import annotations

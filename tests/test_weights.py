@@ -21,6 +21,7 @@ from agentspec.engine.weights import (
     CANDIDATES,
     GGUF_ACTIVATIONS,
     GPU_CANDIDATES,
+    NEAR_TOLERANCE,
     REDUCED,
     WEIGHTS,
     OneDNNLinear,
@@ -93,7 +94,7 @@ def test_select_weights_measures_caches_and_explains(loaded):
     assert eager.name == "eager" and eager.reason == "requested"
     auto = select_weights(tiny, layout, "auto")
     # every candidate but the GGUF blocks, which need the file the model was read from
-    assert set(auto.timings_ms) == set(CANDIDATES) - {"gguf", "gguf-q8", *GPU_CANDIDATES}
+    assert set(auto.timings_ms) == set(CANDIDATES) - {*GGUF_ACTIVATIONS, *GPU_CANDIDATES}
     assert "gguf: the model was not read from a GGUF file" in auto.reason and "static: a GPU pass" in auto.reason
     assert all(len(t) == 2 and min(t) > 0 for t in auto.timings_ms.values())
     assert auto.name == min(auto.timings_ms, key=lambda name: sum(auto.timings_ms[name])) and "measured" in auto.reason
@@ -192,13 +193,8 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     assert all(torch.equal(batch[1][i], alone[i]) for i in range(4))
 
 
-@pytest.mark.parametrize("weights", REDUCED)
-@torch.inference_mode()
-def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weights):
-    """The "bf16" pass computes the loaded model with its linear weights rounded to bfloat16, the
-    "gguf-q8" pass with each product's input rows rounded to 8 bits: logits near the float32 pass's
-    (not equal, which is why "auto" leaves them out) and the same greedy choice almost everywhere on
-    a real prompt; asked for by name, it says so."""
+def _reduced(weights: str, loaded):
+    """Its pass, and its logits and the float32 pass's on a real prompt (skips where it cannot run)."""
     if _unsupported(weights, loaded) is not None:
         pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     model, layout = loaded.model, KVLayout.of(loaded.model)
@@ -207,8 +203,20 @@ def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weig
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     full = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     rounded = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    return chosen, full, rounded
+
+
+@pytest.mark.parametrize("weights", [name for name in REDUCED if name not in CANDIDATES])
+@torch.inference_mode()
+def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weights):
+    """The "bf16" pass computes the loaded model with its linear weights rounded to bfloat16, the
+    "gguf-q8" pass with each product's input rows rounded to 8 bits: logits near the float32 pass's
+    (not equal, which is why "auto" leaves them out) and the same greedy choice almost everywhere on
+    a real prompt; asked for by name, it says so."""
+    chosen, full, rounded = _reduced(weights, loaded)
+    model, layout = loaded.model, KVLayout.of(loaded.model)
     difference = (full - rounded).abs().max().item()
-    assert 0 < difference < 3, difference
+    assert 0.05 < difference < 3, difference
     assert (full.argmax(-1) == rounded.argmax(-1)).float().mean().item() > 0.9
     with pytest.raises(NotImplementedError, match="differ"):  # what keeps it out of "auto"
         check_packed(model, layout, forward=chosen.forward)
@@ -216,6 +224,23 @@ def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weig
     target = Engine(loaded, weights=weights)
     target.calibrate(repeats=1)  # checks the pass against the model within its tolerance, then times it
     assert target.weights.name == weights and target.costs.cost(1) > 0
+
+
+@torch.inference_mode()
+def test_16_bit_activations_are_a_candidate_within_a_hundredth_of_float32(loaded):
+    """The "gguf-q16" pass rounds each product's input rows to 16 bits per block of 32: not float32's
+    logits, but within NEAR_TOLERANCE of them (8-bit rows: over 1), with every greedy choice of the
+    float32 pass on a real prompt — so "auto" may pick it, and compares against float32 decoding on
+    "gguf" (``conftest.exact_engine``)."""
+    chosen, full, rounded = _reduced("gguf-q16", loaded)
+    assert "gguf-q16" in CANDIDATES and "gguf-q16" in REDUCED and chosen.tolerance == NEAR_TOLERANCE
+    difference = (full - rounded).abs().max().item()
+    assert 1e-4 < difference < NEAR_TOLERANCE, difference  # rounded, far less than by 8 bits
+    assert torch.equal(full.argmax(-1), rounded.argmax(-1))
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    with pytest.raises(NotImplementedError, match="differ"):
+        check_packed(model, layout, forward=chosen.forward)  # float32's own tolerance
+    assert 1e-3 < check_packed(model, layout, chosen.tolerance, forward=chosen.forward) < NEAR_TOLERANCE
 
 
 def test_client_rejects_unknown_weights_before_loading():
@@ -230,7 +255,7 @@ def test_default_engine_states_its_weights(engine):
     assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
     if onednn_supported(engine.loaded.model) is None:
         expected = set(CANDIDATES) - set(GPU_CANDIDATES)
-        expected -= {name for name in GGUF_ACTIVATIONS if _unsupported(name, engine.loaded)}
+        expected -= {name for name in CANDIDATES if name in GGUF_ACTIVATIONS and _unsupported(name, engine.loaded)}
         assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
 

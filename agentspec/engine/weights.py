@@ -18,15 +18,17 @@ The candidates (``CANDIDATES``):
   on oneDNN-packed weights where they run, else ``F.linear``.
 - ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
   CPU, AVX-512, a C compiler): the same float32 weights, a fifth of the bytes per token.
+- ``"gguf-q16"``: the ``"gguf"`` pass on rows rounded to 16 bits per block of 32 (below: it is in
+  ``REDUCED`` too, the one arithmetic ``"auto"`` may pick that is not the loaded model's own).
 - ``"static"``: the fused pass over a key/value pool allocated once, one attention call per layer
   for the whole pass, CUDA graphs per pass shape (``static.py``). A GPU pass: ``"auto"`` considers
   it on CUDA only; on a CPU it runs (eagerly) when asked for by name.
 
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
-the model's, times each on 1- and 8-position passes, and keeps the fastest.
+the model's (float32 rounding; gguf-q16 within ``NEAR_TOLERANCE``), times each on 1- and 8-position
+passes, and keeps the fastest.
 
-Reduced precision (``REDUCED``), asked for by name, never chosen by ``"auto"``: another model's
-logits.
+Reduced precision (``REDUCED``): another model's logits. Asked for by name, but for gguf-q16.
 - ``"bf16"``: the fused pass with its linear weights rounded to bfloat16 and packed for oneDNN (CPUs
   with AVX-512; half the bytes a token streams). Activations, norms, attention and the cache stay
   float32; each product takes its input rounded to bfloat16 and accumulates in float32. Its logits
@@ -50,7 +52,11 @@ logits.
   its logits are within 0.013 of the float32 pass's on 1024 teacher-forced tokens of text (gguf-q8:
   1.7) and its greedy choice the same at all 1024; a pass of 8 positions took 9.0–11.9 ms against
   20.4–20.8 on float32 rows, one position 3.5–4.2 against 4.7–5.0, a 512-token prefill 459–541
-  against 1072–1135 ms.
+  against 1072–1135 ms. So ``"auto"`` takes it where it is the fastest (CPUs with AVX512-VNNI): a
+  rounding 300 times float32's own (gguf's logits are within 4e-5 of transformers'), not a visible
+  change of model. Greedy decoding on it can still part from transformers' float32 decoding where
+  two tokens are within ~0.01 of each other; ``weights="gguf"`` is the loaded model's own float32
+  arithmetic.
 
 The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
 use it); the faster passes hold a second copy of the linear weights (540 MB for the default model in
@@ -80,22 +86,27 @@ from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_p
 from .static import StaticLlamaPass
 
 __all__ = [
-    "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "GGUF_ACTIVATIONS", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
+    "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
     "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights", "fastest_pass_ms",
 ]
 
 log = logging.getLogger("agentspec.engine")
 
-CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "static")  # the loaded model's logits: "auto" picks among them
+# "auto" picks among them: the loaded model's logits, or (gguf-q16) within NEAR_TOLERANCE of them
+CANDIDATES: tuple[str, ...] = ("eager", "onednn", "fused", "gguf", "gguf-q16", "static")
 GPU_CANDIDATES: tuple[str, ...] = ("static",)  # "auto" considers them on CUDA only
-# Another model's logits (rounded weights or activations), checked against the loaded model's within
-# REDUCED_TOLERANCE; speculative decoding on them equals plain decoding on them, like every pass. Only
-# when asked for by name: "auto" keeps the loaded model's logits (``_select`` takes REDUCED names too,
-# should one join CANDIDATES).
+# Not the loaded model's float32 arithmetic (rounded weights or activations): another model's logits,
+# checked against the loaded model's within their tolerance (REDUCED_TOLERANCE, or NEAR_TOLERANCE);
+# speculative decoding on them equals plain decoding on them, like every pass. Comparisons with
+# transformers' float32 decoding (the bench's, the tests') take "gguf" instead. Asked for by name,
+# except those in CANDIDATES.
 REDUCED: tuple[str, ...] = ("bf16", "gguf-q8", "gguf-q16")
 WEIGHTS: tuple[str, ...] = ("auto", *CANDIDATES, *(name for name in REDUCED if name not in CANDIDATES))
 # bfloat16 weights move the default model's logits by up to ~0.9 on real text (0.2 on check_packed's)
 REDUCED_TOLERANCE = 2.0
+# 16-bit activations: up to 0.013 on real text, 0.0054 on check_packed's (float32's own: 4e-5)
+NEAR = ("gguf-q16",)
+NEAR_TOLERANCE = 0.05
 
 # The passes on the GGUF file's blocks, and what each multiplies them by (blocks.ACTIVATIONS)
 GGUF_ACTIVATIONS = {"gguf": "float32", "gguf-q8": "q8", "gguf-q16": "q16"}
@@ -309,4 +320,4 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
 
 
 def _tolerance(name: str) -> float | None:
-    return REDUCED_TOLERANCE if name in REDUCED else None
+    return NEAR_TOLERANCE if name in NEAR else REDUCED_TOLERANCE if name in REDUCED else None
