@@ -52,7 +52,7 @@ from .fused import FusedLlamaPass, Linear, LinearFactory, fused_unsupported
 from .packed import Segment
 
 __all__ = [
-    "GGUFBlocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
+    "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
     "blocks_unsupported",
 ]
 
@@ -299,40 +299,51 @@ def _unpermuted(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(order)
 
 
+def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
+    """``model``'s linear weights as ``gguf_file`` stores them, by id of the loaded weight, each
+    checked to dequantise to it bit for bit (``NotImplementedError`` where one does not, or where
+    none has blocks). ``GGUFBlocks`` takes them, so that passes built together read the file once."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    found: dict[int, Blocks] = {}
+    for name, weight, heads in _llama_names(model):
+        tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
+        if tensor is None:
+            raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
+        blocks = _read(tensor)
+        if blocks is None:
+            continue  # float or another block type: oneDNN takes this weight
+        with torch.no_grad():
+            candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
+            match = next((b for b in candidates if b.shape == tuple(weight.shape) and torch.equal(b.dequantised(), weight.detach())), None)
+        if match is None:
+            raise NotImplementedError(f"{gguf_file.name}'s {name} does not dequantise to the loaded weight")
+        found[id(weight)] = match
+    if not found:
+        raise NotImplementedError(f"{gguf_file.name} has no {' or '.join(BLOCK_TYPES)} weights")
+    return found
+
+
 class GGUFBlocks:
     """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
 
     ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
     blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 or 16 bits
-    with ``activations="q8"`` or ``"q16"``), else with ``fallback`` (oneDNN-packed float32)."""
+    with ``activations="q8"`` or ``"q16"``), else with ``fallback`` (oneDNN-packed float32).
+    ``blocks``: what ``read_blocks(model, gguf_file)`` gave, where it was read already."""
 
-    def __init__(self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32") -> None:
+    def __init__(
+        self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32", blocks: dict[int, Blocks] | None = None
+    ) -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
         reason = blocks_unsupported(model, gguf_file, activations)
         if reason is not None:
             raise NotImplementedError(reason)
-        import gguf
-
         self.kernels = block_kernels()
         self.fallback, self.activations = fallback, activations
-        tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
-        self.blocks: dict[int, Blocks] = {}  # id(loaded weight) -> its blocks
-        for name, weight, heads in _llama_names(model):
-            tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
-            if tensor is None:
-                raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
-            blocks = _read(tensor)
-            if blocks is None:
-                continue  # float or another block type: oneDNN takes this weight
-            with torch.no_grad():
-                candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
-                match = next((b for b in candidates if b.shape == tuple(weight.shape) and torch.equal(b.dequantised(), weight.detach())), None)
-            if match is None:
-                raise NotImplementedError(f"{gguf_file.name}'s {name} does not dequantise to the loaded weight")
-            self.blocks[id(weight)] = match
-        if not self.blocks:
-            raise NotImplementedError(f"{gguf_file.name} has no {' or '.join(BLOCK_TYPES)} weights")
+        self.blocks = read_blocks(model, gguf_file) if blocks is None else blocks  # id(loaded weight) -> its blocks
         self.kinds = sorted({b.kind for b in self.blocks.values()})
 
     @property

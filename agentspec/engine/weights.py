@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import BlockLlamaPass, GGUFBlocks, blocks_unsupported
+from .blocks import Blocks, BlockLlamaPass, GGUFBlocks, blocks_unsupported, read_blocks
 from .fused import FusedLlamaPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
@@ -252,14 +252,15 @@ def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: i
     return fastest_pass_ms(forward, [PackedRow(block, [100] * positions, 1)], repeats)
 
 
-def _build(model: Any, name: str, gguf_file: Path | None = None) -> PassFunction:
-    """The pass ``name`` over ``model``; ``NotImplementedError`` where it cannot run."""
+def _build(model: Any, name: str, gguf_file: Path | None = None, read: Callable[[], dict[int, Blocks]] | None = None) -> PassFunction:
+    """The pass ``name`` over ``model``; ``NotImplementedError`` where it cannot run. ``read``: the
+    GGUF file's blocks (``read_blocks``), shared by the passes built together."""
     if name in GGUF_ACTIVATIONS:
         activations = GGUF_ACTIVATIONS[name]
         reason = blocks_unsupported(model, gguf_file, activations) or onednn_supported(model)
         if reason is not None:
             raise NotImplementedError(reason)
-        blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear, activations=activations)
+        blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear, activations=activations, blocks=read() if read else None)
         try:  # the decoder layers in one compiled call where every layer product has blocks
             return BlockLlamaPass(model, blocks)
         except NotImplementedError as exc:
@@ -298,12 +299,13 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
         return SelectedWeights(requested, _build(model, requested, gguf_file), "requested", {}, _tolerance(requested))
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
+    read = functools.cache(lambda: read_blocks(model, gguf_file))  # once for "gguf" and "gguf-q16"
     for name in CANDIDATES[1:]:
         if name in GPU_CANDIDATES and layout.device.type != "cuda":
             left_out.append(f"{name}: a GPU pass (on a CPU it computes its padding; ask for it by name)")
             continue
         try:  # cannot run here, or its logits differ from the model's own forward (check_packed)
-            forward = _build(model, name, gguf_file)
+            forward = _build(model, name, gguf_file, read)
             check_packed(model, layout, _tolerance(name), forward=forward)
         except NotImplementedError as exc:
             left_out.append(f"{name}: {exc}")
