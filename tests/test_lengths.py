@@ -175,6 +175,22 @@ def test_cost_moving_average_and_extrapolation():
     assert costs.cost(4) == pytest.approx(180.0)
 
 
+def test_effective_cost_follows_every_new_measurement():
+    """effective_cost is worked out once per measurement: a record, or a copy, changes it."""
+    costs = CostModel(max_positions=4)
+    costs.record(1, 10.0)
+    costs.record(4, 20.0)
+    assert [costs.effective_cost(p) for p in (1, 2, 3, 4, 6)] == [10.0, 20.0, 20.0, 20.0, 30.0]
+    costs.record(2, 12.0)  # now measured, and cheaper than padding to 4
+    assert [costs.effective_cost(p) for p in (1, 2, 3, 4)] == [10.0, 12.0, 20.0, 20.0]
+    other = CostModel(max_positions=4)
+    other.record(1, 5.0)
+    other.record(4, 6.0)
+    costs.copy_from(other)  # position 2 unmeasured there: copied as unmeasured
+    assert [costs.effective_cost(p) for p in (1, 2, 3, 4)] == [5.0, 6.0, 6.0, 6.0]
+    assert all(costs.effective_cost(p) == costs.cost(costs.best_shape(p)) for p in range(1, 9))
+
+
 # -- AcceptanceModel ------------------------------------------------------------------------------------
 
 

@@ -39,12 +39,16 @@ class CostModel:
         # measured at calibration. The curve itself is kept for one sequence, so every shape stays
         # comparable whichever batches it was measured in.
         self.segment_ms = 0.0
+        # effective_cost(P) for P = 0..max_positions, worked out again after a measurement changes: a
+        # step asks for it once per draft length it weighs, per source, per sequence
+        self._effective: list[float] | None = None
 
     def copy_from(self, other: "CostModel") -> None:
         """Take ``other``'s measurements (of the shapes both have)."""
         for positions in range(1, min(self.max_positions, other.max_positions) + 1):
             self._ms[positions] = other._ms[positions]
         self.segment_ms = other.segment_ms
+        self._effective = None
 
     def pass_cost(self, positions: int, segments: int = 1) -> float:
         """Expected ms of a pass over ``positions`` positions from ``segments`` sequences, padded."""
@@ -56,6 +60,7 @@ class CostModel:
         ms = max(ms - (segments - 1) * self.segment_ms, 0.1)
         old = self._ms[positions]
         self._ms[positions] = ms if old is None else old + self.SMOOTHING * (ms - old)
+        self._effective = None
 
     def cost(self, positions: int) -> float:
         """Measured ms for this shape, or a linear extrapolation from the nearest measured one."""
@@ -74,7 +79,12 @@ class CostModel:
         return min(candidates, key=lambda p: (self._ms[p], p)) if candidates else positions
 
     def effective_cost(self, positions: int) -> float:
-        return self.cost(self.best_shape(positions))
+        """The cost of a pass of ``positions`` positions, padded to the cheapest shape that holds them."""
+        if positions > self.max_positions:
+            return self.cost(self.best_shape(positions))
+        if self._effective is None:
+            self._effective = [self.cost(self.best_shape(p)) for p in range(self.max_positions + 1)]
+        return self._effective[positions]
 
 
 class RowBudget(NamedTuple):
