@@ -163,16 +163,30 @@ def test_best_shape_properties(measured, positions):
         assert shape == positions
 
 
-def test_cost_moving_average_and_extrapolation():
+def test_cost_is_the_fastest_latest_pass_and_extrapolates():
     costs = CostModel(max_positions=4)
     assert costs.cost(3) == 3.0  # uncalibrated: proportional to positions
     costs.record(2, 100.0)
     costs.record(2, 50.0)
-    assert costs.cost(2) == pytest.approx(90.0)  # 100 + 0.2 * (50 - 100)
-    assert costs.cost(4) == pytest.approx(180.0)  # nearest measured is 2: scaled linearly
-    assert costs.cost(1) == pytest.approx(90.0)  # below the nearest: not scaled down
+    assert costs.cost(2) == 50.0
+    assert costs.cost(4) == pytest.approx(100.0)  # nearest measured is 2: scaled linearly
+    assert costs.cost(1) == pytest.approx(50.0)  # below the nearest: not scaled down
     costs.record(9, 1.0)  # beyond max_positions: ignored
-    assert costs.cost(4) == pytest.approx(180.0)
+    assert costs.cost(4) == pytest.approx(100.0)
+
+
+def test_one_slow_pass_does_not_move_the_cost_but_a_slower_machine_does():
+    """Interference only adds time: a verification slowed 5x by another process leaves its shape's
+    cost as it was (an average would have raised it 80%, and a shape that looks slow is not chosen
+    again, so never measured again). WINDOW slower passes in a row are the machine: they count."""
+    costs = CostModel(max_positions=4)
+    for _ in range(3):
+        costs.record(4, 10.0)
+    costs.record(4, 50.0)
+    assert costs.cost(4) == 10.0
+    for _ in range(CostModel.WINDOW):
+        costs.record(4, 14.0)
+    assert costs.cost(4) == 14.0
 
 
 def test_effective_cost_follows_every_new_measurement():

@@ -14,7 +14,7 @@ from agentspec.engine import Engine
 from agentspec.engine.lengths import CostModel
 from agentspec.params import GenerationParams
 
-from .conftest import decode
+from .conftest import decode, quiet_costs
 
 
 def test_longest_match_wins_across_documents():
@@ -128,13 +128,11 @@ def agent_loop(loaded, engine):
         both.costs,
     )
     plain = Engine(loaded, drafter_factory=lambda p: None)
-    # Fixed costs, the default pass's as calibrated on a quiet 2-core machine (5.6 ms for one position,
-    # 6.1 for two, then ~2.1 ms a position), not the session engine's calibration: measured under the
+    # Fixed costs (conftest.quiet_costs), not the session engine's calibration: measured under the
     # suite's two workers, a plain step could look so cheap that no suffix draft was verified (CI: 0
     # accepted), and this test is about what the cache drafts, not about this machine's load.
     costs = CostModel(max_positions=17)
-    for positions in range(1, 18):
-        costs.record(positions, 5.6 if positions == 1 else 6.1 + 2.1 * (positions - 2))
+    quiet_costs(costs)
     ngram.costs = both.costs = costs
     runs = {"plain": [], "ngram": [], "suffix": []}
     params = GenerationParams(max_tokens=MAX_TOKENS)

@@ -2,9 +2,12 @@
 
 Two measured inputs decide every step:
 - ``CostModel``: milliseconds of one target pass by number of positions, shared by all requests of an
-  engine. Seeded by a calibration at start-up and tracked with an exponential moving average. The
-  cost is not monotonic on every device (on a 2-core CPU, 2-3 positions cost more than 4-9), so a
-  pass of P positions is padded to the cheapest measured shape of at least P positions.
+  engine. Seeded by a calibration at start-up, then the fastest of each shape's latest passes:
+  interference (another process, a busy core) only adds time, and an average would let one slow
+  verification shut drafting off for good — a shape that looks slow is not chosen again, so it is
+  not measured again. The cost is not monotonic on every device (on a 2-core CPU, 2-3 positions
+  cost more than 4-9), so a pass of P positions is padded to the cheapest measured shape of at
+  least P positions.
 - ``AcceptanceModel`` (``drafting.acceptance``): per request, the probability that a draft token is
   accepted, kept per (source, evidence) bucket with decaying counts and a prior.
 
@@ -20,6 +23,7 @@ and every K falls to 0 — from the measured cost curve, not a constant — and 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 from ..drafting.acceptance import Acceptance, expected_tokens
@@ -30,11 +34,12 @@ __all__ = ["CostModel", "RowBudget", "choose_lengths"]
 class CostModel:
     """Measured cost (ms) of a target pass over P positions, P = 1..max_positions."""
 
-    SMOOTHING = 0.2  # weight of a new measurement in the moving average
+    WINDOW = 8  # latest measurements kept per shape: its cost is the fastest of them
 
     def __init__(self, max_positions: int) -> None:
         self.max_positions = max_positions
-        self._ms: list[float | None] = [None] * (max_positions + 1)
+        self._latest: list[deque[float]] = [deque(maxlen=self.WINDOW) for _ in range(max_positions + 1)]
+        self._ms: list[float | None] = [None] * (max_positions + 1)  # per shape: min(_latest), or None
         # What each further sequence in a pass adds (its attention call per layer, its logits rows),
         # measured at calibration. The curve itself is kept for one sequence, so every shape stays
         # comparable whichever batches it was measured in.
@@ -46,6 +51,7 @@ class CostModel:
     def copy_from(self, other: "CostModel") -> None:
         """Take ``other``'s measurements (of the shapes both have)."""
         for positions in range(1, min(self.max_positions, other.max_positions) + 1):
+            self._latest[positions] = deque(other._latest[positions], maxlen=self.WINDOW)
             self._ms[positions] = other._ms[positions]
         self.segment_ms = other.segment_ms
         self._effective = None
@@ -57,9 +63,9 @@ class CostModel:
     def record(self, positions: int, ms: float, segments: int = 1) -> None:
         if positions > self.max_positions:
             return
-        ms = max(ms - (segments - 1) * self.segment_ms, 0.1)
-        old = self._ms[positions]
-        self._ms[positions] = ms if old is None else old + self.SMOOTHING * (ms - old)
+        latest = self._latest[positions]
+        latest.append(max(ms - (segments - 1) * self.segment_ms, 0.1))
+        self._ms[positions] = min(latest)
         self._effective = None
 
     def cost(self, positions: int) -> float:
