@@ -44,9 +44,9 @@ class CostModel:
         # measured at calibration. The curve itself is kept for one sequence, so every shape stays
         # comparable whichever batches it was measured in.
         self.segment_ms = 0.0
-        # effective_cost(P) for P = 0..max_positions, worked out again after a measurement changes: a
-        # step asks for it once per draft length it weighs, per source, per sequence
-        self._effective: list[float] | None = None
+        # effective_cost by positions, worked out when first asked after a shape's cost changed: a step
+        # asks for it once per draft length it weighs, per source, per sequence
+        self._effective: dict[int, float] = {}
 
     def copy_from(self, other: "CostModel") -> None:
         """Take ``other``'s measurements (of the shapes both have)."""
@@ -54,7 +54,7 @@ class CostModel:
             self._latest[positions] = deque(other._latest[positions], maxlen=self.WINDOW)
             self._ms[positions] = other._ms[positions]
         self.segment_ms = other.segment_ms
-        self._effective = None
+        self._effective.clear()
 
     def pass_cost(self, positions: int, segments: int = 1) -> float:
         """Expected ms of a pass over ``positions`` positions from ``segments`` sequences, padded."""
@@ -65,8 +65,10 @@ class CostModel:
             return
         latest = self._latest[positions]
         latest.append(max(ms - (segments - 1) * self.segment_ms, 0.1))
-        self._ms[positions] = min(latest)
-        self._effective = None
+        fastest = min(latest)
+        if fastest != self._ms[positions]:  # most passes are not their shape's fastest: nothing changes
+            self._ms[positions] = fastest
+            self._effective.clear()
 
     def cost(self, positions: int) -> float:
         """Measured ms for this shape, or a linear extrapolation from the nearest measured one."""
@@ -86,11 +88,10 @@ class CostModel:
 
     def effective_cost(self, positions: int) -> float:
         """The cost of a pass of ``positions`` positions, padded to the cheapest shape that holds them."""
-        if positions > self.max_positions:
-            return self.cost(self.best_shape(positions))
-        if self._effective is None:
-            self._effective = [self.cost(self.best_shape(p)) for p in range(self.max_positions + 1)]
-        return self._effective[positions]
+        cost = self._effective.get(positions)
+        if cost is None:
+            cost = self._effective[positions] = self.cost(self.best_shape(positions))
+        return cost
 
 
 class RowBudget(NamedTuple):
