@@ -68,7 +68,9 @@ async def test_a_short_request_is_not_starved_by_a_long_one(client):
     long_done = asyncio.Event()
 
     async def long_request():
-        await client.generate(STORY, max_tokens=120)
+        # plain decoding, so that no draft (the session has seen this story: its earlier outputs are
+        # in the suffix cache) finishes it early: 120 speculative tokens once took under a second
+        await client.generate(STORY, max_tokens=1000, speculative=False)
         long_done.set()
 
     long_task = asyncio.create_task(long_request())
@@ -76,7 +78,10 @@ async def test_a_short_request_is_not_starved_by_a_long_one(client):
     short = await client.generate(COPY, max_tokens=5)
     assert short.usage.completion_tokens == 5
     assert not long_done.is_set(), "round-robin: the short request finishes while the long one still runs"
-    await long_task
+    long_task.cancel()  # its stream closes: the engine stops decoding it
+    with pytest.raises(asyncio.CancelledError):
+        await long_task
+    await wait_idle(client)
 
 
 async def test_aclose_stops_decoding_and_others_continue(client):

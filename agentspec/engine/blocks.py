@@ -21,6 +21,11 @@ weights took 25–31 ms for 1–8 rows (with the LM head). From a few rows on th
 multiply-adds, not bytes (84 G/s at 64 rows, about two Zen 4 cores' peak for 512-bit FMAs), so a
 512-token prefill takes a little longer than on oneDNN's GEMM (924–963 against 817–859 ms).
 
+That bound is why the same blocks also multiply rows rounded to integers per block of 32
+(``activations``: ``"q8"``, ``"q16"``; ``weights="gguf-q8"``, ``"gguf-q16"``): AVX512-VNNI's byte
+dot products do four times a float FMA's multiply-adds per instruction, exactly, and 16-bit rows
+(two planes of bytes) keep the logits within ~0.01 of float32's (``blocks.c``, ``weights.py``).
+
 The kernels are C (AVX-512), compiled on first use with the machine's C compiler (``$CC``, else
 ``cc``) for this CPU and cached under ``$AGENTSPEC_CACHE_DIR/kernels`` (about a second); where
 there is no compiler or no AVX-512 the pass is not a candidate and says why. Weights whose blocks
@@ -66,7 +71,8 @@ BLOCK_TYPES = ("Q4_1", "Q8_0")
 # What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
 # quantised per block of 32 to integers, multiplied by the codes with VNNI's integer dot products:
 # to 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``, two planes of bytes: within ~0.01 of
-# float32's logits on the default model). Both are another model's arithmetic: opt in.
+# float32's logits on the default model). Both are another model's arithmetic (weights.py: "gguf-q8"
+# is asked for by name, "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")  # the products that need AVX512-VNNI (vnni_supported)
 LANES = 16  # outputs per group in the layout of the integer products (Blocks.vnni)

@@ -50,9 +50,9 @@ Reduced precision (``REDUCED``): another model's logits. Asked for by name, but 
 - ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (two planes of bytes,
   two integer dot products per block: exact), a 256th of gguf-q8's rounding. On the default model
   its logits are within 0.013 of the float32 pass's on 1024 teacher-forced tokens of text (gguf-q8:
-  1.7) and its greedy choice the same at all 1024; a pass of 8 positions took 9.0–11.9 ms against
-  20.4–20.8 on float32 rows, one position 3.5–4.2 against 4.7–5.0, a 512-token prefill 459–541
-  against 1072–1135 ms. So ``"auto"`` takes it where it is the fastest (CPUs with AVX512-VNNI): a
+  1.7) and its greedy choice the same at all 1024; a pass of 8 positions took 11.8–12.0 ms against
+  17.6–20.4 on float32 rows, one position 3.4–3.5 against 4.4–4.9, a 512-token prefill 537–546
+  against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it is the fastest (CPUs with AVX512-VNNI): a
   rounding 300 times float32's own (gguf's logits are within 4e-5 of transformers'), not a visible
   change of model. Greedy decoding on it can still part from transformers' float32 decoding where
   two tokens are within ~0.01 of each other; ``weights="gguf"`` is the loaded model's own float32
@@ -86,8 +86,9 @@ from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_p
 from .static import StaticLlamaPass
 
 __all__ = [
-    "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights", "OneDNNLinear", "onednn_supported", "bf16_supported",
-    "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights", "fastest_pass_ms",
+    "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights",
+    "OneDNNLinear", "onednn_supported", "bf16_supported", "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights",
+    "fastest_pass_ms",
 ]
 
 log = logging.getLogger("agentspec.engine")
