@@ -245,8 +245,9 @@ async def test_api_key_is_required(server, model):
 
 async def test_full_queue_is_429(api, http, model):
     await wait_idle(http, within_s=30)
-    # long enough that neither finishes before the third arrives (the engine decodes ~100-250 tok/s here)
-    request = dict(model=model, messages=STORY, max_tokens=1024, stream=True)
+    # long enough that neither finishes before the third arrives: plain decoding at ~100-250 tok/s here
+    # (speculative, a story the server drafted before could come out of its suffix cache much faster)
+    request = dict(model=model, messages=STORY, max_tokens=1024, stream=True, extra_body={"speculative": False})
     streams = [await api.chat.completions.create(**request) for _ in range(MAX_QUEUED)]  # each submitted before its headers
     try:
         pending = (await http.get("/health")).json()["pending_requests"]
