@@ -248,7 +248,10 @@ static inline __attribute__((always_inline)) void vnni_tile(const int q8_0, cons
             if (r < rows) {
                 const int32_t *a = (const int32_t *)(q->codes + ((size_t)r * nb + b) * 32 * planes);
                 __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains of dot products: each plane's, or halves of one */
-                UNROLL for (int j = 0; j < 8 * planes; j++) part[planes == 2 ? j / 8 : j % 2] = _mm512_dpbusd_epi32(part[planes == 2 ? j / 8 : j % 2], v[j % 8], _mm512_set1_epi32(a[j]));
+                UNROLL for (int j = 0; j < 8 * planes; j++) {
+                    const int chain = planes == 2 ? j / 8 : j % 2;
+                    part[chain] = _mm512_dpbusd_epi32(part[chain], v[j % 8], _mm512_set1_epi32(a[j]));
+                }
                 dot[r] = _mm512_add_epi32(planes == 2 ? _mm512_slli_epi32(part[0], 8) : part[0], part[1]);
                 if (q8_0) dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * q->sum[(size_t)r * nb + b]));
             }

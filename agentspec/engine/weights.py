@@ -52,9 +52,9 @@ Reduced precision (``REDUCED``): another model's logits. Asked for by name, but 
   its logits are within 0.013 of the float32 pass's on 1024 teacher-forced tokens of text (gguf-q8:
   1.7) and its greedy choice the same at all 1024; a pass of 8 positions took 11.8–12.0 ms against
   17.6–20.4 on float32 rows, one position 3.4–3.5 against 4.4–4.9, a 512-token prefill 537–546
-  against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it is the fastest (CPUs with AVX512-VNNI): a
-  rounding 300 times float32's own (gguf's logits are within 4e-5 of transformers'), not a visible
-  change of model. Greedy decoding on it can still part from transformers' float32 decoding where
+  against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it is the fastest
+  (CPUs with AVX512-VNNI): a rounding 300 times float32's own (gguf's logits are within 4e-5 of
+  transformers'), not a visible change of model. Greedy decoding on it can still part from transformers' float32 decoding where
   two tokens are within ~0.01 of each other; ``weights="gguf"`` is the loaded model's own float32
   arithmetic.
 
