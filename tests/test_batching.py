@@ -244,8 +244,8 @@ async def test_queue_full_and_queued_timeout_are_typed_errors(loaded):
         assert events[-1].finish_reason in ("stop", "length")
 
 
-async def test_kv_budget_admits_one_at_a_time_when_tight(loaded, monkeypatch):
-    per_token = KVLayout.of(loaded.model).bytes_per_token
+async def test_kv_budget_admits_one_at_a_time_when_tight(engine, monkeypatch):
+    per_token = engine.layout.bytes_per_token  # the default client's cache, as its pass stores it
     limits = agentspec.Limits(kv_cache_mb=60 * per_token / 2**20, prefix_cache_mb=0)  # room for one request
     async with agentspec.Client(limits=limits) as tight:
         engine = tight.engine

@@ -19,14 +19,14 @@ from agentspec.engine.blocks import ACTIVATIONS, BLOCK_TYPES, BlockLlamaPass, Bl
 from agentspec.engine.fused import FusedLlamaPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, use_packed_attention
-from agentspec.engine.weights import onednn_linear, select_weights
+from agentspec.engine.weights import NEAR_TOLERANCE, onednn_linear, pass_layout, select_weights
 from agentspec.errors import ModelLoadError
 
 from .conftest import tiny_model
 
 
-def _reason(loaded) -> str | None:
-    return blocks_unsupported(loaded.model, loaded.gguf_file)
+def _reason(loaded, activations: str = "float32") -> str | None:
+    return blocks_unsupported(loaded.model, loaded.gguf_file, activations)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,32 @@ def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
     for other in (fused, in_python):  # the compiled layers against the same operations from Python
         assert (on_blocks - other).abs().max().item() < 1e-3
         assert torch.equal(on_blocks.argmax(-1), other.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-q16"])
+@torch.inference_mode()
+def test_the_compiled_layers_store_keys_and_values_as_their_pass_names(loaded, gguf_blocks, weights):
+    """A pass on integer rows stores keys and values as float16 (half the bytes its attention
+    streams), one on float32 rows as float32; an engine's cache is what its pass names. Float16
+    storage moves the logits (it is not ignored) by less than the pass's own tolerance; blocks of two
+    dtypes in one pass are refused."""
+    if weights == "gguf-q16" and _reason(loaded, "q16"):
+        pytest.skip(f"gguf-q16 cannot run here: {_reason(loaded, 'q16')}")
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    forward = select_weights(model, layout, weights, loaded.gguf_file).forward
+    expected = torch.float16 if weights == "gguf-q16" else torch.float32
+    assert forward.kv_dtype == expected and pass_layout(layout, forward).dtype == expected
+    assert pass_layout(layout, forward).bytes_per_token * layout.dtype.itemsize == layout.bytes_per_token * expected.itemsize
+    ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    single, half = (forward([PackedRow(KVBlock(layout.with_dtype(dtype)), ids, len(ids))])[0] for dtype in (torch.float32, torch.float16))
+    difference = (single - half).abs().max().item()
+    assert 0 < difference < NEAR_TOLERANCE, difference
+    assert torch.equal(single.argmax(-1), half.argmax(-1))
+    a, b = KVBlock(layout), KVBlock(layout.with_dtype(torch.float16))
+    with pytest.raises(ValueError, match="one dtype, float32 or float16"):
+        forward([PackedRow(a, [5, 6], 1), PackedRow(b, [7, 8], 1)])
+    target = Engine(loaded, weights=weights)
+    assert target.layout.dtype == expected
 
 
 def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tmp_path):

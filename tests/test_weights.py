@@ -28,6 +28,7 @@ from agentspec.engine.weights import (
     bf16_supported,
     onednn_linear,
     onednn_supported,
+    pass_layout,
     select_weights,
     torch_linear,
     with_onednn_linears,
@@ -175,6 +176,7 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
         "static": lambda: select_weights(model, layout, "static").forward,
     }[weights]()
+    layout = pass_layout(layout, forward)  # as an engine stores keys and values for it (float16 on integer rows)
     prompt, text = list(range(2000, 2060)), [17, 912, 4410, 29, 318, 77, 1043, 5, 880]
     block = KVBlock(layout)
     forward([PackedRow(block, prompt, 1)])
@@ -202,7 +204,7 @@ def _reduced(weights: str, loaded):
     assert chosen.name == weights and chosen.reason == "requested"
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     full = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
-    rounded = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    rounded = chosen.forward([PackedRow(KVBlock(pass_layout(layout, chosen.forward)), ids, len(ids))])[0]
     return chosen, full, rounded
 
 
@@ -228,18 +230,19 @@ def test_reduced_precision_is_another_model_and_auto_never_picks_it(loaded, weig
 
 @torch.inference_mode()
 def test_16_bit_activations_are_a_candidate_within_a_hundredth_of_float32(loaded):
-    """The "gguf-q16" pass rounds each product's input rows to 16 bits per block of 32: not float32's
-    logits, but within NEAR_TOLERANCE of them (8-bit rows: over 1), with every greedy choice of the
-    float32 pass on a real prompt — so "auto" may pick it, and compares against float32 decoding on
-    "gguf" (``conftest.exact_engine``)."""
+    """The "gguf-q16" pass rounds each product's input rows to 16 bits per block of 32, and stores
+    keys and values as float16: not float32's logits, but within NEAR_TOLERANCE of them (8-bit rows:
+    over 1), with every greedy choice of the float32 pass on a real prompt — so "auto" may pick it,
+    and compares against float32 decoding on "gguf" (``conftest.exact_engine``)."""
     chosen, full, rounded = _reduced("gguf-q16", loaded)
     assert "gguf-q16" in CANDIDATES and "gguf-q16" in REDUCED and chosen.tolerance == NEAR_TOLERANCE
     difference = (full - rounded).abs().max().item()
     assert 1e-4 < difference < NEAR_TOLERANCE, difference  # rounded, far less than by 8 bits
     assert torch.equal(full.argmax(-1), rounded.argmax(-1))
-    model, layout = loaded.model, KVLayout.of(loaded.model)
+    model, layout = loaded.model, pass_layout(KVLayout.of(loaded.model), chosen.forward)
+    assert layout.dtype == torch.float16
     with pytest.raises(NotImplementedError, match="differ"):
-        check_packed(model, layout, forward=chosen.forward)  # float32's own tolerance
+        check_packed(model, layout, 1e-3, forward=chosen.forward)  # float32's own tolerance
     assert 1e-3 < check_packed(model, layout, chosen.tolerance, forward=chosen.forward) < NEAR_TOLERANCE
 
 
@@ -258,6 +261,7 @@ def test_default_engine_states_its_weights(engine):
         expected -= {name for name in CANDIDATES if name in GGUF_ACTIVATIONS and _unsupported(name, engine.loaded)}
         assert set(chosen.timings_ms) == expected
     assert chosen.name == min(chosen.timings_ms, key=lambda name: sum(chosen.timings_ms[name]))
+    assert engine.layout == pass_layout(KVLayout.of(engine.loaded.model), engine.forward)  # the cache as the pass stores it
 
 
 PROMPTS = [

@@ -321,8 +321,25 @@ typedef struct {
 
 typedef struct {
     int start, stop, past, capacity; /* the sequence's new tokens [start, stop) of the pass */
-    float *kv;                       /* its block: [layers, 2, kv_heads, capacity, head_dim] */
+    void *kv;                        /* its block: [layers, 2, kv_heads, capacity, head_dim], float32 or float16 */
 } agentspec_segment;
+
+/* 16 keys' (values') elements from a block of float32 or, with `half` (a compile-time constant at
+   each call site), float16 — converted exactly to float32. */
+static inline __attribute__((always_inline)) __m512 load_kv(const void *kv, size_t index, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + index))) : _mm512_loadu_ps((const float *)kv + index);
+}
+
+/* One token's key (value) of `head_dim` elements into a block, rounded to nearest-even for float16
+   (as torch rounds float32 to float16). */
+static inline void store_kv(void *kv, size_t index, const float *x, int head_dim, int half) {
+    if (!half) {
+        memcpy((float *)kv + index, x, sizeof(float) * head_dim);
+        return;
+    }
+    for (int i = 0; i < head_dim; i += 16) /* head_dim: a multiple of 16 (blocks.py) */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)kv + index + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 /* e^x, 16 lanes (Cephes' single-precision polynomial, within 2 ulp; the same bits for a lane
    whatever its neighbours): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2. */
@@ -395,8 +412,8 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
    head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
    same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
    summed by reduce16's tree, and a head's values are summed in key order. */
-static inline __attribute__((always_inline)) void attend_chunks(const int chunks, const float *q, int queries, const float *keys, const float *values,
-                                                               int seen, float scaling, float *p, size_t stride, float *out) {
+static inline __attribute__((always_inline)) void attend_chunks(const int chunks, const int half, const float *q, int queries, const void *keys,
+                                                               const void *values, int seen, float scaling, float *p, size_t stride, float *out) {
     const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
     for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
         const int live = seen - s0 < 16 ? seen - s0 : 16;
@@ -406,8 +423,8 @@ static inline __attribute__((always_inline)) void attend_chunks(const int chunks
             UNROLL for (int j = 0; j < 16; j++) {
                 dots[j] = _mm512_setzero_ps();
                 if (j < live) {
-                    const float *k = keys + (size_t)(s0 + j) * head_dim;
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = _mm512_fmadd_ps(query[i], _mm512_loadu_ps(k + 16 * i), dots[j]);
+                    const size_t k = (size_t)(s0 + j) * head_dim;
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = _mm512_fmadd_ps(query[i], load_kv(keys, k + 16 * i, half), dots[j]);
                 }
             }
             _mm512_mask_storeu_ps(p + h * stride + s0, (__mmask16)((1u << live) - 1), _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scaling)));
@@ -436,7 +453,7 @@ static inline __attribute__((always_inline)) void attend_chunks(const int chunks
         UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = _mm512_setzero_ps();
         for (int s = 0; s < seen; s++) {
             __m512 v[8];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = _mm512_loadu_ps(values + (size_t)s * head_dim + 16 * i);
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = load_kv(values, (size_t)s * head_dim + 16 * i, half);
             UNROLL for (int g = 0; g < 12; g++) {
                 if (g < group && g < n) {
                     const __m512 weight = _mm512_set1_ps(p[(h0 + g) * stride + s]);
@@ -451,16 +468,19 @@ static inline __attribute__((always_inline)) void attend_chunks(const int chunks
     }
 }
 
-#define ATTEND_CHUNKS(_, CHUNKS) attend_chunks(CHUNKS, q, queries, keys, values, seen, scaling, p, stride, out);
+#define ATTEND_CHUNKS(HALF, CHUNKS) attend_chunks(CHUNKS, HALF, q, queries, keys, values, seen, scaling, p, stride, out);
 
-static void attend(const float *q, int queries, int head_dim, const float *keys, const float *values, int seen, float scaling, float *p,
+static void attend(int half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling, float *p,
                    size_t stride, float *out) {
-    BY_COUNT(head_dim / 16, ATTEND_CHUNKS, _) /* head_dim <= 128 (blocks.py) */
+    if (half) /* head_dim <= 128 (blocks.py) */
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1)
+    else
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0)
 }
 
 void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
                             int layers, const agentspec_layer *weights, const float *cos, const float *sin, float scaling,
-                            const agentspec_segment *segments, int nseg, int threads) {
+                            const agentspec_segment *segments, int nseg, int kv_half, int threads) {
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     const int groups = heads / kv_heads, half = head_dim / 2;
     int longest = 0;
@@ -498,10 +518,10 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
             for (int t = seg->start; t < seg->stop; t++)
                 for (int h = 0; h < kv_heads; h++) {
                     const size_t slot = (size_t)(seg->past + t - seg->start) * head_dim;
-                    float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + h) * (size_t)seg->capacity * head_dim;
-                    float *values = seg->kv + (((size_t)l * 2 + 1) * kv_heads + h) * (size_t)seg->capacity * head_dim;
-                    memcpy(keys + slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, sizeof(float) * head_dim);
-                    memcpy(values + slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim, sizeof(float) * head_dim);
+                    const size_t keys = (((size_t)l * 2 + 0) * kv_heads + h) * (size_t)seg->capacity * head_dim;
+                    const size_t values = (((size_t)l * 2 + 1) * kv_heads + h) * (size_t)seg->capacity * head_dim;
+                    store_kv(seg->kv, keys + slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim, kv_half);
+                    store_kv(seg->kv, values + slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim, head_dim, kv_half);
                 }
         }
         /* causal attention: each token's query heads over its sequence's keys up to its own position,
@@ -510,9 +530,9 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         for (int job = 0; job < T * kv_heads; job++) {
             const int t = job / kv_heads, kvh = job % kv_heads;
             const agentspec_segment *seg = segments + segment_of[t];
-            const size_t head = (size_t)seg->capacity * head_dim; /* one head's keys (or values) in the block */
-            const float *keys = seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * head, *values = keys + (size_t)kv_heads * head;
-            attend(qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, keys, values, seg->past + (t - seg->start) + 1,
+            const size_t head = (size_t)seg->capacity * head_dim * (kv_half ? 2 : 4); /* bytes of one head's keys (or values) in the block */
+            const char *keys = (const char *)seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * head, *values = keys + (size_t)kv_heads * head;
+            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, keys, values, seg->past + (t - seg->start) + 1,
                    scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }

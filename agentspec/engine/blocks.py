@@ -145,9 +145,9 @@ def _kernels() -> ctypes.CDLL | str:
         if symbol in symbols:  # (x, M, K, blocks grouped for few rows [float32 rows: and for many], y, N, threads)
             layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
             getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
-    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, threads)
+    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, kv_half, threads)
     kernels.agentspec_llama_layers.argtypes = [
-        pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer,
+        pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer, integer,
     ]
     for symbol in (*symbols, "agentspec_llama_layers"):
         getattr(kernels, symbol).restype = None
@@ -412,7 +412,13 @@ class BlockLlamaPass(FusedLlamaPass):
     (``agentspec_llama_layers`` in blocks.c): the same operations in the same order, without the
     ~120 framework calls a pass makes in Python (about half of a 1-position pass on the blocks).
     Its logits are the loaded model's to float32 rounding (``check_packed``), and row-invariant:
-    each token's arithmetic reads only its own row and its sequence's keys and values."""
+    each token's arithmetic reads only its own row and its sequence's keys and values.
+
+    It reads and writes key/value blocks of float32 or float16 (one dtype per pass). ``kv_dtype``
+    is the one it is meant for: float32 on float32 rows (the loaded model's arithmetic), float16 on
+    integer rows — another model's arithmetic already, and as llama.cpp stores its cache. Attention
+    streams a sequence's whole cache each token: at 400 tokens of context, 18 MB a token in float32,
+    for 8 sequences 147 MB, more than the weights' 96 MB."""
 
     def __init__(self, model: Any, blocks: GGUFBlocks) -> None:
         super().__init__(model, blocks.linear)
@@ -427,6 +433,7 @@ class BlockLlamaPass(FusedLlamaPass):
         for layer in self.layers:  # the C side reads the norms' memory directly
             assert all(norm.is_contiguous() and norm.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
         self.function = blocks.kernels.agentspec_llama_layers
+        self.kv_dtype = torch.float16 if blocks.activations in INTEGER_ACTIVATIONS else torch.float32
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
@@ -440,11 +447,15 @@ class BlockLlamaPass(FusedLlamaPass):
     def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
         cos, sin = cos.contiguous(), sin.contiguous()
+        dtypes = {s.block.data.dtype for s in segments}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16}:
+            raise ValueError(f"the compiled layers take key/value blocks of one dtype, float32 or float16, not {sorted(map(str, dtypes))}")
         args = (_SegmentArg * len(segments))(
             *(_SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.data.data_ptr()) for s in segments)
         )
         self.function(
             hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), self.scaling, args, len(segments), torch.get_num_threads(),
+            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), self.scaling, args, len(segments), dtypes == {torch.float16},
+            torch.get_num_threads(),
         )
         return hidden

@@ -50,7 +50,7 @@ from .packed import PackedRow, check_packed, use_packed_attention
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
 from .verify import flatten, verify_greedy, verify_sampling
-from .weights import fastest_pass_ms, select_weights
+from .weights import fastest_pass_ms, pass_layout, select_weights
 
 __all__ = ["Engine", "Kind", "Plan"]
 
@@ -145,6 +145,7 @@ class Engine:
         except NotImplementedError as exc:
             raise ModelLoadError(f"weights={weights!r} cannot run here: {exc}. Use weights='auto' or 'eager'.") from exc
         self.forward = self.weights.forward
+        self.layout = pass_layout(self.layout, self.forward)  # the keys and values as the pass stores them
         self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
         self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
         self.drafter_factory = drafter_factory or (lambda params: ngram_drafter(params, loaded))

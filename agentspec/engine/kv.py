@@ -7,6 +7,7 @@ The packed pass that writes and reads them is ``packed.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ __all__ = ["KVLayout", "KVBlock"]
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one token's keys and values in a model: layers × (key, value) × kv heads × head dim."""
+    """Shape of one token's keys and values in a model: layers × (key, value) × kv heads × head dim,
+    stored as ``dtype`` (the model's, or the one its target pass is meant for: ``pass_layout``)."""
 
     layers: int
     kv_heads: int
@@ -33,6 +35,10 @@ class KVLayout:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         weight = model.get_output_embeddings().weight
         return cls(config.num_hidden_layers, kv_heads, head_dim, weight.dtype, weight.device)
+
+    def with_dtype(self, dtype: torch.dtype) -> "KVLayout":
+        """The same layout, its keys and values stored as ``dtype`` (a pass's ``kv_dtype``)."""
+        return dataclasses.replace(self, dtype=dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -50,12 +50,16 @@ Reduced precision (``REDUCED``): another model's logits. Asked for by name, but 
 - ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (two planes of bytes,
   two integer dot products per block: exact), a 256th of gguf-q8's rounding. On the default model
   its logits are within 0.013 of the float32 pass's on 1024 teacher-forced tokens of text (gguf-q8:
-  1.7) and its greedy choice the same at all 1024; a pass of 8 positions took 11.8–12.0 ms against
+  1.7) and its greedy choice the same at all 1024; with its keys and values stored as float16, as
+  both integer passes store them (``BlockLlamaPass.kv_dtype``; llama.cpp's default cache), within
+  0.029 and still all 1024. The float16 cache halves what attention streams: a pass of 8 sequences
+  at 1000 tokens of context took 14.2 against 19.5 ms on a float32 cache, at 2000 20.4 against 30.9,
+  one sequence at 2000 5.8 against 6.7 (interleaved in one process); a pass of 8 positions took 11.8–12.0 ms against
   17.6–20.4 on float32 rows, one position 3.4–3.5 against 4.4–4.9, a 512-token prefill 537–546
   against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it is the fastest
-  (CPUs with AVX512-VNNI): a rounding 300 times float32's own (gguf's logits are within 4e-5 of
+  (CPUs with AVX512-VNNI): a rounding 700 times float32's own (gguf's logits are within 4e-5 of
   transformers'), not a visible change of model. Greedy decoding on it can still part from transformers' float32 decoding where
-  two tokens are within ~0.01 of each other; ``weights="gguf"`` is the loaded model's own float32
+  two tokens are within ~0.03 of each other; ``weights="gguf"`` is the loaded model's own float32
   arithmetic.
 
 The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
@@ -88,7 +92,7 @@ from .static import StaticLlamaPass
 __all__ = [
     "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights",
     "OneDNNLinear", "onednn_supported", "bf16_supported", "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights",
-    "fastest_pass_ms",
+    "fastest_pass_ms", "pass_layout",
 ]
 
 log = logging.getLogger("agentspec.engine")
@@ -247,8 +251,15 @@ def fastest_pass_ms(forward: PassFunction, rows: list[PackedRow], repeats: int) 
     return min(timings)
 
 
+def pass_layout(layout: KVLayout, forward: PassFunction) -> KVLayout:
+    """The key/value layout an engine runs ``forward`` on: ``layout``, stored in the pass's
+    ``kv_dtype`` where it names one (``BlockLlamaPass``: float16 on integer rows)."""
+    dtype = getattr(forward, "kv_dtype", None)
+    return layout if dtype is None or dtype == layout.dtype else layout.with_dtype(dtype)
+
+
 def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: int = 3, context: int = 64) -> float:
-    block = KVBlock(layout)
+    block = KVBlock(pass_layout(layout, forward))
     forward([PackedRow(block, list(range(100, 100 + context)), 1)])
     return fastest_pass_ms(forward, [PackedRow(block, [100] * positions, 1)], repeats)
 
@@ -307,7 +318,7 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
             continue
         try:  # cannot run here, or its logits differ from the model's own forward (check_packed)
             forward = _build(model, name, gguf_file, read)
-            check_packed(model, layout, _tolerance(name), forward=forward)
+            check_packed(model, pass_layout(layout, forward), _tolerance(name), forward=forward)
         except NotImplementedError as exc:
             left_out.append(f"{name}: {exc}")
             continue
