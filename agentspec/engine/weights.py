@@ -56,11 +56,11 @@ Reduced precision (``REDUCED``): another model's logits. Asked for by name, but 
   at 1000 tokens of context took 14.2 against 19.5 ms on a float32 cache, at 2000 20.4 against 30.9,
   one sequence at 2000 5.8 against 6.7 (interleaved in one process). A pass of 8 positions took
   11.8–12.0 ms against 17.6–20.4 on float32 rows, one position 3.4–3.5 against 4.4–4.9, a 512-token
-  prefill 537–546 against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it is the fastest
-  (CPUs with AVX512-VNNI): a rounding 700 times float32's own (gguf's logits are within 4e-5 of
-  transformers'), not a visible change of model. Greedy decoding on it can still part from
-  transformers' float32 decoding where two tokens are within ~0.03 of each other; ``weights="gguf"`` is the loaded model's own float32
-  arithmetic.
+  prefill 537–546 against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it
+  is the fastest (CPUs with AVX512-VNNI): a rounding 700 times float32's own (gguf's logits are
+  within 4e-5 of transformers'), not a visible change of model. Greedy decoding on it can still part
+  from transformers' float32 decoding where two tokens are within ~0.03 of each other;
+  ``weights="gguf"`` is the loaded model's own float32 arithmetic.
 
 The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
 use it); the faster passes hold a second copy of the linear weights (540 MB for the default model in
