@@ -330,15 +330,20 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *kv, size
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + index))) : _mm512_loadu_ps((const float *)kv + index);
 }
 
-/* One token's key (value) of `head_dim` elements into a block, rounded to nearest-even for float16
-   (as torch rounds float32 to float16). */
-static inline void store_kv(void *kv, size_t index, const float *x, int head_dim, int half) {
+/* Layer l's keys (which = 0) or values (1) of key/value head h in a sequence's block: [capacity, head_dim]. */
+static inline void *kv_head(const agentspec_segment *seg, int l, int which, int h, int kv_heads, int head_dim, int half) {
+    return (char *)seg->kv + (((size_t)l * 2 + which) * kv_heads + h) * (size_t)seg->capacity * head_dim * (half ? 2 : 4);
+}
+
+/* One token's key (value) of `head_dim` elements into slot `slot` of a head's keys (values), rounded
+   to nearest-even for float16 (as torch rounds float32 to float16). */
+static inline void store_kv(void *kv, size_t slot, const float *x, int head_dim, int half) {
     if (!half) {
-        memcpy((float *)kv + index, x, sizeof(float) * head_dim);
+        memcpy((float *)kv + slot * head_dim, x, sizeof(float) * head_dim);
         return;
     }
     for (int i = 0; i < head_dim; i += 16) /* head_dim: a multiple of 16 (blocks.py) */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)kv + index + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)kv + slot * head_dim + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* e^x, 16 lanes (Cephes' single-precision polynomial, within 2 ulp; the same bits for a lane
@@ -517,11 +522,10 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
             const agentspec_segment *seg = segments + g;
             for (int t = seg->start; t < seg->stop; t++)
                 for (int h = 0; h < kv_heads; h++) {
-                    const size_t slot = (size_t)(seg->past + t - seg->start) * head_dim;
-                    const size_t keys = (((size_t)l * 2 + 0) * kv_heads + h) * (size_t)seg->capacity * head_dim;
-                    const size_t values = (((size_t)l * 2 + 1) * kv_heads + h) * (size_t)seg->capacity * head_dim;
-                    store_kv(seg->kv, keys + slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim, kv_half);
-                    store_kv(seg->kv, values + slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim, head_dim, kv_half);
+                    const size_t slot = (size_t)(seg->past + t - seg->start);
+                    store_kv(kv_head(seg, l, 0, h, kv_heads, head_dim, kv_half), slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim, kv_half);
+                    store_kv(kv_head(seg, l, 1, h, kv_heads, head_dim, kv_half), slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim,
+                             head_dim, kv_half);
                 }
         }
         /* causal attention: each token's query heads over its sequence's keys up to its own position,
@@ -530,9 +534,8 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         for (int job = 0; job < T * kv_heads; job++) {
             const int t = job / kv_heads, kvh = job % kv_heads;
             const agentspec_segment *seg = segments + segment_of[t];
-            const size_t head = (size_t)seg->capacity * head_dim * (kv_half ? 2 : 4); /* bytes of one head's keys (or values) in the block */
-            const char *keys = (const char *)seg->kv + (((size_t)l * 2 + 0) * kv_heads + kvh) * head, *values = keys + (size_t)kv_heads * head;
-            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, keys, values, seg->past + (t - seg->start) + 1,
+            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, kv_head(seg, l, 0, kvh, kv_heads, head_dim, kv_half),
+                   kv_head(seg, l, 1, kvh, kv_heads, head_dim, kv_half), seg->past + (t - seg->start) + 1,
                    scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }
