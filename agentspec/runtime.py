@@ -229,14 +229,12 @@ class Runtime:
                 # freed by a daemon thread during interpreter shutdown aborts the process.
                 self.engine.close()
                 return
-            for handle in self._admit():
+            for handle in self._admit():  # already among the active ones: a failed start releases it
                 try:
                     self.engine.start(handle.seq)
                 except Exception as exc:
                     log.exception("could not start a request")
                     self._fail(handle, exc)
-                    continue
-                self._active.append(handle)
             if not self._cycle():
                 with self._cond:  # every active request is waiting for its consumer (or none fits yet)
                     self._cond.wait(timeout=STALLED_WAIT_S)
@@ -244,21 +242,24 @@ class Runtime:
     def _admit(self) -> list[RequestHandle]:
         """Queued requests that fit now, in order: at most ``max_batch`` decoding at once, and their
         keys/values (prompt and ``ESTIMATED_OUTPUT_TOKENS`` of output) within ``kv_budget_bytes``. One
-        request is always admitted when none is active. Cancelled or timed-out queued requests end here."""
+        request is always admitted when none is active. Cancelled or timed-out queued requests end here.
+
+        The admitted ones move from the queue to the active requests in one step under the lock (before
+        the engine starts them), so that ``submit`` counts every request against ``max_queued`` at
+        every moment: taken out of the queue and not yet active, two requests once let a third in."""
         assert self.engine is not None
         with self._cond:
-            waiting, self._incoming = self._incoming, []
+            waiting = list(self._incoming)
         if not waiting:  # the common case, every cycle: no key/value accounting needed
             return []
         admitted: list[RequestHandle] = []
-        kept: list[RequestHandle] = []
+        ended: list[RequestHandle] = []
+        kept = False
         used = self.engine.kv_bytes
         per_token = self.engine.layout.bytes_per_token
         for handle in waiting:
-            if handle.cancelled.is_set():
-                self._end(handle, "cancelled")
-                continue
-            if self._timed_out(handle):
+            if handle.cancelled.is_set() or self._past_timeout(handle):
+                ended.append(handle)  # ended below, once out of the queue: its consumer may submit again at once
                 continue
             need = (len(handle.seq.prompt_ids) + min(handle.seq.max_new_tokens, ESTIMATED_OUTPUT_TOKENS)) * per_token
             alone = not self._active and not admitted
@@ -267,19 +268,30 @@ class Runtime:
                 admitted.append(handle)
                 used += need
             else:
-                kept.append(handle)
-        if kept:
+                kept = True  # in order: none after the first that waits
+        if admitted or ended:
+            gone = {id(handle) for handle in (*admitted, *ended)}
             with self._cond:
-                self._incoming = kept + self._incoming
+                self._incoming = [handle for handle in self._incoming if id(handle) not in gone]
+                self._active.extend(admitted)
+        for handle in ended:
+            if handle.cancelled.is_set():
+                self._end(handle, "cancelled")
+            else:
+                self._timed_out(handle)
         return admitted
+
+    @staticmethod
+    def _past_timeout(handle: RequestHandle) -> bool:
+        timeout = handle.seq.params.timeout
+        return timeout is not None and time.perf_counter() - handle.seq.submitted_at > timeout
 
     def _timed_out(self, handle: RequestHandle) -> bool:
         """End a request that ran past its ``timeout`` (queueing included); True if it did."""
-        timeout = handle.seq.params.timeout
-        if timeout is None or time.perf_counter() - handle.seq.submitted_at <= timeout:
+        if not self._past_timeout(handle):
             return False
         self._fail(handle, RequestTimeoutError(
-            f"The request ran past its timeout of {timeout:g} s; the events received so far stand. "
+            f"The request ran past its timeout of {handle.seq.params.timeout:g} s; the events received so far stand. "
             "Raise `timeout` or lower `max_tokens`."
         ))
         return True

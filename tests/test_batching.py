@@ -7,6 +7,7 @@ reused prefix must decode as a cold prompt does; limits must give typed errors a
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -261,6 +262,37 @@ async def test_kv_budget_admits_one_at_a_time_when_tight(engine, monkeypatch):
         done = await asyncio.gather(*(tight.generate([{"role": "user", "content": p}], max_tokens=6) for p in PROMPTS[:3]))
         assert most == 1
         assert all(d.usage.completion_tokens > 0 for d in done)
+
+
+async def test_a_request_being_admitted_still_counts_against_max_queued(monkeypatch):
+    """Between leaving the queue and joining the running requests (while the engine starts it: a
+    prefix lookup, its first allocation) a request is still one of ``max_queued``: with two in
+    flight, one of them held inside ``Engine.start``, a third is refused (a flake of
+    test_serve.py::test_full_queue_is_429 before, with "1 pending" reported just before the third)."""
+    async with agentspec.Client(limits=agentspec.Limits(max_queued=2, prefix_cache_mb=0)) as client:
+        engine = client.engine
+        inside, go_on = threading.Event(), threading.Event()
+        real = engine.start
+
+        def held(seq):
+            inside.set()
+            go_on.wait(30)
+            return real(seq)
+
+        monkeypatch.setattr(engine, "start", held)
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        two = [asyncio.create_task(client.generate(messages, max_tokens=2)) for _ in range(2)]
+        try:
+            assert await asyncio.to_thread(inside.wait, 30)
+            deadline = time.monotonic() + 10
+            while client.pending_requests < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert client.pending_requests == 2  # one held inside start, one queued behind it
+            with pytest.raises(agentspec.EngineOverloadedError):
+                await client.generate(messages, max_tokens=2)
+        finally:
+            go_on.set()
+        assert all(done.usage.completion_tokens > 0 for done in await asyncio.gather(*two))
 
 
 def test_limits_are_checked():
