@@ -40,7 +40,7 @@ def engine(loaded: LoadedModel) -> Engine:
 @pytest.fixture(scope="session")
 def exact_engine(loaded: LoadedModel, engine: Engine) -> Engine:
     """An engine on the loaded model's own float32 arithmetic, for comparisons with transformers: the
-    default engine, unless "auto" chose another arithmetic here ("gguf-q16" on a CPU with VNNI); then
+    default engine, unless "auto" chose another arithmetic here ("gguf-q16" where it measures fastest); then
     the same blocks on float32 rows."""
     if engine.weights.name not in REDUCED:
         return engine

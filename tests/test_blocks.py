@@ -1,7 +1,8 @@
 """The target pass on the GGUF file's own blocks (``agentspec.engine.blocks``, ``weights="gguf"``):
 the blocks dequantise to the loaded weights bit for bit, the compiled products are row- and
-thread-invariant and agree with float32 products, the pass gives the model's logits, and it is
-refused, with a reason, where it cannot run."""
+thread-invariant and agree with float32 products, every instruction-set level this CPU runs (an
+AVX-512 machine runs the AVX2 levels too) gives the same bits, the pass gives the model's logits,
+and it is refused, with a reason, where it cannot run."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import ACTIVATIONS, BLOCK_TYPES, BlockLlamaPass, Blocks, GGUFBlocks, block_product, blocks_unsupported
+from agentspec.engine.blocks import (
+    ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, LEVEL_NAMES, BlockLlamaPass, Blocks, GGUFBlocks, block_kernels, block_product, blocks_unsupported,
+    isa_levels,
+)
 from agentspec.engine.fused import FusedLlamaPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, use_packed_attention
@@ -111,6 +115,67 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     assert product(x[:0]).shape == (0, outputs)
 
 
+@pytest.fixture(scope="module")
+def levels(gguf_blocks) -> list[str]:
+    """The instruction-set levels whose kernels run here, fastest first (the default is the first)."""
+    found = isa_levels()
+    assert found and found[0] == gguf_blocks.kernels.isa
+    if "avx512-vnni" in found:  # an AVX-512 machine builds and runs every level below its own
+        assert found == list(LEVEL_NAMES)
+    return found
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+def test_every_level_this_cpu_runs_gives_the_same_bits(levels, kind, activations):
+    """The kernels of every level (AVX-512 with and without VNNI, AVX2 with and without VNNI) compute
+    the same bits as the fastest level's: 16 logical float lanes with one fixed summing tree, and
+    exact integer dot products. With the fastest level's products row-invariant (above), so is each
+    level's: a row alone, in a tile's remainder or among 70 gives the fastest level's bits."""
+    blocks = _random_blocks(kind, 200, 1536, seed=5)  # 200 outputs: a last register of 8 lanes, not 16
+    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(2))
+    x[4, :32] = 0
+    reference = block_product(blocks, block_kernels(levels[0]), activations)(x)
+    for level in levels[1:]:
+        product = block_product(blocks, block_kernels(level), activations)
+        assert torch.equal(product(x), reference), level
+        for rows in (1, 3, 9):
+            assert torch.equal(product(x[10 : 10 + rows]), reference[10 : 10 + rows]), (level, rows)
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-q16"])
+@torch.inference_mode()
+def test_the_compiled_layers_give_the_same_logits_on_every_level(loaded, levels, weights):
+    """The whole pass (norms, rotary embedding, attention over float32 or float16 keys and values,
+    SiLU, the products) gives the same logits, bit for bit, on every level this CPU runs, for a
+    prompt and then a pass of 8 positions over its keys and values."""
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    activations = {"gguf": "float32", "gguf-q16": "q16"}[weights]
+    read = GGUFBlocks(model, loaded.gguf_file, fallback=onednn_linear, isa=levels[0]).blocks
+    ids = loaded.chat.encode([{"role": "user", "content": "Name three rivers of Europe and say which is longest."}])
+    logits = {}
+    for level in levels:
+        forward = BlockLlamaPass(model, GGUFBlocks(model, loaded.gguf_file, onednn_linear, activations, blocks=read, isa=level))
+        block = KVBlock(pass_layout(layout, forward))
+        logits[level] = torch.cat([forward([PackedRow(block, ids[:-8], len(ids) - 8)])[0], forward([PackedRow(block, ids[-8:], 8)])[0]])
+    for level in levels[1:]:
+        assert torch.equal(logits[level], logits[levels[0]]), level
+
+
+def test_the_level_is_capped_by_the_environment_and_named_levels_are_checked(levels):
+    """``$AGENTSPEC_ISA`` caps the level "auto" builds on (how an AVX-512 machine runs the AVX2
+    kernels end to end); a level that is not one is refused with the list of levels."""
+    probe = "from agentspec.engine.blocks import _kernels; k = _kernels(); print(k if isinstance(k, str) else k.isa)"
+    for cap in (levels[-1], "avx9000"):
+        done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, ISA_VARIABLE: cap}, capture_output=True, text=True, timeout=300)
+        if cap in levels:
+            assert done.stdout.strip() == cap, done.stdout + done.stderr
+        else:
+            assert f"{ISA_VARIABLE}='avx9000' is not a level; use one of {', '.join(LEVEL_NAMES)}" in done.stdout
+    with pytest.raises(NotImplementedError, match="unknown instruction-set level 'sse2'"):
+        block_kernels("sse2")
+
+
 def test_default_models_blocks_are_its_weights(loaded, gguf_blocks):
     """Every linear weight of the default model has blocks (Q4_1; the tied LM head Q8_0) that
     dequantise to it bit for bit — GGUFBlocks refuses the file otherwise — in a fifth of the bytes."""
@@ -197,7 +262,7 @@ def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tm
     first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     if first.stdout.strip() != "built":
         pytest.skip(f"the block kernels do not build on this machine: {first.stdout.strip() or first.stderr[-300:]}")
-    libraries = list(Path(tmp_path, "kernels").glob("blocks-*.so"))
+    libraries = list(Path(tmp_path, "kernels").glob("blocks-*.so"))  # the default level's
     assert len(libraries) == 1
     built_at = libraries[0].stat().st_mtime_ns
     again = subprocess.run([sys.executable, "-c", probe], env={**env, "CC": "/nonexistent/cc"}, capture_output=True, text=True, timeout=300)

@@ -37,8 +37,11 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def _describe(client: Client) -> str:
-    """``SmolLM2-135M-Instruct on cpu (torch.float32, fused weights)``: the model line and the charts' title."""
-    return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}, {client.engine.weights.name} weights)"
+    """``SmolLM2-135M-Instruct on cpu (torch.float32, gguf-q16 weights, avx2 kernels)``: the model line
+    and the charts' title."""
+    weights = client.engine.weights
+    kernels = f", {weights.isa} kernels" if weights.isa else ""
+    return f"{client.loaded.name} on {client.loaded.device} ({client.loaded.dtype}, {weights.name} weights{kernels})"
 
 
 def _save(args: Any, rows: list[Any], write_plot: Callable[..., Path], title: str) -> None:

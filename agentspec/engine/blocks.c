@@ -1,4 +1,5 @@
-/* Products on a GGUF file's own weight blocks, for agentspec's target pass (blocks.py).
+/* Products on a GGUF file's own weight blocks, and the decoder layers around them, for agentspec's
+   target pass (blocks.py).
 
    y[r, n] = sum_k x[r, k] * w[n, k] for float32 rows x, with w read from its blocks of 32 weights:
      Q4_1: w = d * q + m, q a 4-bit code (16 bytes per block; byte j holds codes j and j + 16)
@@ -7,16 +8,17 @@
    reader dequantises it (a product, then a sum; -ffp-contract=off keeps them apart), so these are
    the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
 
-   Layout (Blocks.grouped in blocks.py): outputs in groups of GROUP; for each group, its blocks in
-   input order, each the GROUP outputs' codes, then their GROUP scales (and minimums): one stream of
-   memory per group, read front to back and prefetched a few blocks ahead. (With codes, scales and
-   minimums in three arrays, a 1-row product read three streams per output and reached 16 GB/s;
-   grouped, 31 GB/s, about what two cores stream here.)
+   One source, built once per instruction-set level (blocks.py: LEVELS). The level is two macros:
+   AGENTSPEC_WIDTH (512: AVX-512; 256: AVX2 + FMA + F16C) and AGENTSPEC_VNNI (1: the integer products
+   take vpdpbusd; 0: vpmaddwd). Everything above the primitives below is written once for all levels,
+   and every level computes the same bits: float arithmetic runs on 16 logical lanes (one zmm, or two
+   ymm taking the same operations lane by lane) with horizontal sums in one fixed tree, and the integer
+   products are exact. So a pass gives the same logits on an AVX2 laptop as on an AVX-512 server, and
+   each level is checked against the others on any machine that runs them (tests/test_blocks.py).
 
-   Row-invariant by construction: each (row, output) pair is one 16-lane accumulator that takes the
-   same fused multiply-adds in the same order, then one fixed horizontal sum, however many rows and
-   outputs are computed beside it and whichever thread computes it. So a row's result does not
-   depend on how many positions or sequences share its pass. */
+   Row-invariant by construction: each (row, output) pair takes the same operations in the same order
+   however many rows and outputs are computed beside it and whichever thread computes it. So a row's
+   result does not depend on how many positions or sequences share its pass. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -26,18 +28,247 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef __AVX512F__
-#error "the GGUF block kernels need AVX-512 (AVX512F)"
+#if !defined(AGENTSPEC_WIDTH) || !defined(AGENTSPEC_VNNI)
+#error "build with -DAGENTSPEC_WIDTH=512|256 -DAGENTSPEC_VNNI=0|1 (blocks.py: LEVELS)"
+#endif
+#if AGENTSPEC_WIDTH == 512 && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__))
+#error "AGENTSPEC_WIDTH=512 needs AVX512F, BW, DQ and VL (-march=x86-64-v4)"
+#endif
+#if AGENTSPEC_WIDTH == 256 && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "AGENTSPEC_WIDTH=256 needs AVX2, FMA and F16C (-march=x86-64-v3)"
+#endif
+#if AGENTSPEC_VNNI && !(defined(__AVX512VNNI__) || defined(__AVXVNNI__))
+#error "AGENTSPEC_VNNI=1 needs AVX512-VNNI or AVX-VNNI"
 #endif
 
-#define MR 8    /* rows per tile, at most */
-#define MAXC 8  /* outputs per tile, at most: 8 for one or two rows, down to 2 for 5-8 rows (registers) */
-#define FEW 8   /* outputs grouped together in the layout read by products of 1-2 rows */
-#define MANY 4  /* ... and in the layout read by products of more rows */
-#define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
-#define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
-#define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 #define UNROLL _Pragma("GCC unroll 16")
+#define INLINE static inline __attribute__((always_inline))
+
+/* ==== Primitives, per level =======================================================================
+   v16: 16 float lanes. vf, vi: the level's native register of LANES floats, LANES 32-bit integers. */
+
+#if AGENTSPEC_WIDTH == 512
+#define LANES 16
+typedef __m512 v16;
+typedef __m512 vf;
+typedef __m512i vi;
+
+INLINE v16 v16_zero(void) { return _mm512_setzero_ps(); }
+INLINE v16 v16_set1(float a) { return _mm512_set1_ps(a); }
+INLINE v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void v16_store(float *p, v16 a) { _mm512_storeu_ps(p, a); }
+INLINE v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INLINE v16 v16_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+INLINE v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+INLINE v16 v16_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
+INLINE v16 v16_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+INLINE v16 v16_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
+INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }  /* a * b + c, rounded once */
+INLINE v16 v16_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
+INLINE v16 v16_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE v16 v16_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, n integral in [-126, 128] */
+INLINE float v16_top(v16 a) { return _mm512_reduce_max_ps(a); }
+/* 16 float16 values, converted exactly; rounded to nearest-even the other way (as torch rounds) */
+INLINE v16 v16_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE void v16_store_half(uint16_t *p, v16 a) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+/* 16 bytes, zero- (sign-) extended */
+INLINE v16 v16_from_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INLINE v16 v16_from_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* the first n (< 16) lanes from p, the rest `fill`; the first n lanes to p; lanes from n on zeroed */
+INLINE __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+INLINE v16 v16_load_first(const float *p, int n, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p); }
+INLINE void v16_store_first(float *p, v16 a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
+INLINE v16 v16_keep_first(v16 a, int n) { return _mm512_maskz_mov_ps(first(n), a); }
+/* The sum of the lanes: the two 256-bit halves, then the 128-bit halves, then (0 + 2) + (1 + 3). */
+INLINE float sum8(__m256 t) {
+    const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
+}
+INLINE float v16_sum(v16 a) { return sum8(_mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a))); }
+/* Q4_1 weights d * q + m of 16 bytes of codes (low nibbles: weights 0..15, high: 16..31) through a
+   table of the block's 16 possible weights (vpermps reads an index's low 4 bits): the same bits as
+   the product and sum per weight. */
+INLINE void q4_1_weights(const uint8_t *codes, float d, float m, v16 *low, v16 *high) {
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(d)), _mm512_set1_ps(m));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    *low = _mm512_permutexvar_ps(q, table);
+    *high = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+/* Lane j of the result: the sum of a[j]'s lanes by one fixed tree (within 128-bit lanes (0 + 2) +
+   (1 + 3), then across them (L0 + L1) + (L2 + L3)), wherever a[j] sits among the 16. */
+INLINE v16 v16_sums(const v16 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* native registers (here the same 16 lanes) */
+INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+INLINE vf vf_set1(float a) { return _mm512_set1_ps(a); }
+INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
+INLINE vf vf_load_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE void vf_store_first(float *p, vf a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
+INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
+INLINE vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+INLINE vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
+INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+INLINE vi vi_shl(vi a, int n) { return _mm512_slli_epi32(a, n); }
+INLINE vi vi_and16(vi a, int16_t mask) { return _mm512_and_si512(a, _mm512_set1_epi16(mask)); }
+INLINE vi vi_shr16(vi a, int n) { return _mm512_srli_epi16(a, n); } /* each 16-bit half, logical */
+INLINE vi vi_madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }  /* lane: a.lo16 * b.lo16 + a.hi16 * b.hi16, exact */
+#if AGENTSPEC_VNNI
+INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); } /* lane: acc + 4 unsigned x signed bytes, exact */
+#endif
+
+#else /* AGENTSPEC_WIDTH == 256: two ymm for 16 lanes, lanes 0..7 and 8..15, each taking the zmm's operations */
+#define LANES 8
+typedef struct { __m256 lo, hi; } v16;
+typedef __m256 vf;
+typedef __m256i vi;
+
+INLINE v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INLINE v16 v16_set1(float a) { return (v16){_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+INLINE v16 v16_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+INLINE void v16_store(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+INLINE v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+INLINE v16 v16_sub(v16 a, v16 b) { return (v16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+INLINE v16 v16_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+INLINE v16 v16_div(v16 a, v16 b) { return (v16){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+INLINE v16 v16_max(v16 a, v16 b) { return (v16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+INLINE v16 v16_min(v16 a, v16 b) { return (v16){_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+INLINE v16 v16_fnmadd(v16 a, v16 b, v16 c) { return (v16){_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+INLINE v16 v16_round(v16 a) {
+    return (v16){_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+/* p * 2^n as vscalefps computes it, for n integral in [-126, 128]: two exact powers of two (halves of
+   n, each within [-63, 64]), so the product is rounded once, as vscalefps rounds it. */
+INLINE __m256 pow2(__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); }
+INLINE __m256 scale2(__m256 p, __m256 n) {
+    const __m256i k = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(k, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(k, half)));
+}
+INLINE v16 v16_scale2(v16 p, v16 n) { return (v16){scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+INLINE float v16_top(v16 a) {
+    const __m256 t = _mm256_max_ps(a.lo, a.hi);
+    const __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    const __m128 v = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return fmaxf(_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)));
+}
+INLINE v16 v16_load_half(const uint16_t *p) {
+    return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+INLINE void v16_store_half(uint16_t *p, v16 a) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+INLINE v16 v16_from_u8(const uint8_t *p) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p);
+    return (v16){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+}
+INLINE v16 v16_from_i8(const int8_t *p) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p);
+    return (v16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+/* lanes below n: all ones */
+INLINE __m256i below(int n, int from) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n - from), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+INLINE v16 v16_load_first(const float *p, int n, float fill) {
+    const __m256i lo = below(n, 0), hi = below(n, 8);
+    return (v16){_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, lo), _mm256_castsi256_ps(lo)),
+                 _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p + 8, hi), _mm256_castsi256_ps(hi))};
+}
+INLINE void v16_store_first(float *p, v16 a, int n) { _mm256_maskstore_ps(p, below(n, 0), a.lo); _mm256_maskstore_ps(p + 8, below(n, 8), a.hi); }
+INLINE v16 v16_keep_first(v16 a, int n) {
+    return (v16){_mm256_and_ps(a.lo, _mm256_castsi256_ps(below(n, 0))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(below(n, 8)))};
+}
+/* The zmm's tree: the halves (lanes 0..7 + 8..15), then the 128-bit halves, then (0 + 2) + (1 + 3). */
+INLINE float sum8(__m256 t) {
+    const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
+}
+INLINE float v16_sum(v16 a) { return sum8(_mm256_add_ps(a.hi, a.lo)); }
+INLINE void q4_1_weights(const uint8_t *codes, float d, float m, v16 *low, v16 *high) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)codes), nibble = _mm_set1_epi8(15);
+    const v16 dd = v16_set1(d), mm = v16_set1(m);
+    uint8_t split[32];
+    _mm_storeu_si128((__m128i *)split, _mm_and_si128(q, nibble));
+    _mm_storeu_si128((__m128i *)(split + 16), _mm_and_si128(_mm_srli_epi16(q, 4), nibble));
+    *low = v16_add(v16_mul(v16_from_u8(split), dd), mm);
+    *high = v16_add(v16_mul(v16_from_u8(split + 16), dd), mm);
+}
+/* The zmm's tree (above), on 128-bit lanes L0, L1 (lo) and L2, L3 (hi). */
+INLINE v16 v16_sums(const v16 a[16]) {
+    v16 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = (v16){_mm256_add_ps(_mm256_unpacklo_ps(a[2 * i].lo, a[2 * i + 1].lo), _mm256_unpackhi_ps(a[2 * i].lo, a[2 * i + 1].lo)),
+                     _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i].hi, a[2 * i + 1].hi), _mm256_unpackhi_ps(a[2 * i].hi, a[2 * i + 1].hi))};
+    for (int i = 0; i < 4; i++)
+        c[i] = (v16){_mm256_add_ps(_mm256_shuffle_ps(b[2 * i].lo, b[2 * i + 1].lo, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(b[2 * i].lo, b[2 * i + 1].lo, _MM_SHUFFLE(3, 2, 3, 2))),
+                     _mm256_add_ps(_mm256_shuffle_ps(b[2 * i].hi, b[2 * i + 1].hi, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(b[2 * i].hi, b[2 * i + 1].hi, _MM_SHUFFLE(3, 2, 3, 2)))};
+    __m256 out[2];
+    for (int i = 0; i < 2; i++) { /* (c.L0 + c.L1) + (c.L2 + c.L3) for c[2i] (low 128 bits) and c[2i + 1] (high) */
+        const v16 x = c[2 * i], y = c[2 * i + 1];
+        const __m256 pairs01 = _mm256_add_ps(_mm256_permute2f128_ps(x.lo, y.lo, 0x20), _mm256_permute2f128_ps(x.lo, y.lo, 0x31));
+        const __m256 pairs23 = _mm256_add_ps(_mm256_permute2f128_ps(x.hi, y.hi, 0x20), _mm256_permute2f128_ps(x.hi, y.hi, 0x31));
+        out[i] = _mm256_add_ps(pairs01, pairs23);
+    }
+    return (v16){out[0], out[1]};
+}
+
+INLINE vf vf_zero(void) { return _mm256_setzero_ps(); }
+INLINE vf vf_set1(float a) { return _mm256_set1_ps(a); }
+INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
+INLINE vf vf_load_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE void vf_store_first(float *p, vf a, int n) { _mm256_maskstore_ps(p, below(n, 0), a); }
+INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
+INLINE vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vi vi_set1(int32_t a) { return _mm256_set1_epi32(a); }
+INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+INLINE vi vi_shl(vi a, int n) { return _mm256_slli_epi32(a, n); }
+INLINE vi vi_and16(vi a, int16_t mask) { return _mm256_and_si256(a, _mm256_set1_epi16(mask)); }
+INLINE vi vi_shr16(vi a, int n) { return _mm256_srli_epi16(a, n); }
+INLINE vi vi_madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
+#if AGENTSPEC_VNNI
+#if defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
+INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); } /* AVX-VNNI (VEX) */
+#else
+INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s); } /* the same instruction, EVEX (AVX512-VNNI + VL) */
+#endif
+#endif
+#endif
+
+INLINE v16 v16_abs(v16 a) { return v16_max(a, v16_sub(v16_zero(), a)); }
+
+/* Whether this CPU runs what this library was built for (compiled for any x86-64, so safe to call). */
+__attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
+    __builtin_cpu_init();
+    int ok = AGENTSPEC_WIDTH == 512 ? __builtin_cpu_supports("x86-64-v4") : __builtin_cpu_supports("x86-64-v3");
+#ifdef __AVX512VNNI__
+    ok = ok && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#endif
+#ifdef __AVXVNNI__
+    ok = ok && __builtin_cpu_supports("avxvnni");
+#endif
+    return ok != 0;
+}
+
+const int agentspec_lanes = LANES; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */
+const int agentspec_width = AGENTSPEC_WIDTH;
+const int agentspec_vnni = AGENTSPEC_VNNI;
+
 /* EACH(ARGS..., n) for n = count (1..8; more: 8) as a compile-time constant, so that the code EACH
    expands to unrolls its loops over n and keeps its per-n arrays in registers. */
 #define BY_COUNT(count, EACH, ...)                                                                 \
@@ -51,12 +282,32 @@
     case 7: EACH(__VA_ARGS__, 7) break;                                                            \
     default: EACH(__VA_ARGS__, 8) break;                                                           \
     }
+#define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
+
+/* ==== Products on float32 rows (weights="gguf") ===================================================
+   Layout (Blocks.grouped in blocks.py): outputs in groups of G; for each group, its blocks in input
+   order, each the G outputs' codes, then their G scales (and minimums): one stream of memory per
+   group, read front to back and prefetched a few blocks ahead. (With codes, scales and minimums in
+   three arrays, a 1-row product read three streams per output and reached about half the bandwidth.)
+   Each (row, output) pair is one 16-lane accumulator taking two fused multiply-adds per block (lanes:
+   weights 0..15, then 16..31), then one fixed horizontal sum (v16_sum). */
+
+#define MR 8    /* rows per tile, at most */
+#define MAXC 8  /* outputs per tile, at most */
+#define FEW 8   /* outputs grouped together in the layout read by products of 1-2 rows */
+#define MANY 4  /* ... and in the layout read by products of more rows */
+#define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
+#define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
-   latency of the multiply-adds, few enough to stay in the 32 vector registers, and a multiple of
-   its layout's group. It does not change any (row, output) pair's arithmetic. */
-static inline __attribute__((always_inline)) int tile_outputs(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
-static inline __attribute__((always_inline)) int group_of(int rows) { return rows <= 2 ? FEW : MANY; }
+   latency of the multiply-adds, few enough to stay in the vector registers (32 zmm; 16 ymm, two per
+   v16). It does not change any (row, output) pair's arithmetic. */
+#if AGENTSPEC_WIDTH == 512
+INLINE int tile_outputs(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 4 : 2; }
+#else
+INLINE int tile_outputs(int rows) { return rows <= 2 ? 2 : 1; }
+#endif
+INLINE int group_of(int rows) { return rows <= 2 ? FEW : MANY; }
 
 /* One tile: outputs n .. n + nt - 1 for `rows` rows (compile-time constants at every call site, so
    the loops unroll and the accumulators live in registers), reading the layout grouped by G. The
@@ -64,15 +315,15 @@ static inline __attribute__((always_inline)) int group_of(int rows) { return row
    0..15) and w1[t] (16..31). */
 #define TILE_BODY(BYTES, ...)                                                                       \
     const int nb = K / 32, cols = tile_outputs(rows), G = group_of(rows);                          \
-    __m512 acc[MAXC][MR];                                                                          \
-    UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++) acc[t][r] = _mm512_setzero_ps(); \
+    v16 acc[MAXC][MR];                                                                             \
+    UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++) acc[t][r] = v16_zero(); \
     for (int b = 0; b < nb; b++) {                                                                 \
-        __m512 w0[MAXC], w1[MAXC];                                                                 \
+        v16 w0[MAXC], w1[MAXC];                                                                    \
         UNROLL for (int t = 0; t < MAXC; t++) {                                                    \
             if (t < cols) {                                                                        \
                 const int o = n + (t < nt ? t : 0), lane = o % G;                                  \
                 const uint8_t *at = (G == FEW ? few : many) + ((size_t)(o / G) * nb + b) * (BYTES); \
-                if (rows <= 2 && t % G == 0)                                                       \
+                if (rows <= 2 && t == 0)                                                           \
                     for (int line = 0; line < (BYTES); line += 64) _mm_prefetch((const char *)(at + AHEAD * (BYTES) + line), _MM_HINT_T0); \
                 __VA_ARGS__                                                                        \
             }                                                                                      \
@@ -80,41 +331,31 @@ static inline __attribute__((always_inline)) int group_of(int rows) { return row
         UNROLL for (int r = 0; r < MR; r++) {                                                      \
             if (r < rows) {                                                                        \
                 const float *xr = x + (size_t)r * K + (size_t)b * 32;                              \
-                const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);              \
+                const v16 x0 = v16_load(xr), x1 = v16_load(xr + 16);                               \
                 UNROLL for (int t = 0; t < MAXC; t++) {                                            \
                     if (t < cols) {                                                                \
-                        acc[t][r] = _mm512_fmadd_ps(x0, w0[t], acc[t][r]);                         \
-                        acc[t][r] = _mm512_fmadd_ps(x1, w1[t], acc[t][r]);                         \
+                        acc[t][r] = v16_fmadd(x0, w0[t], acc[t][r]);                               \
+                        acc[t][r] = v16_fmadd(x1, w1[t], acc[t][r]);                               \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
     UNROLL for (int t = 0; t < MAXC; t++) UNROLL for (int r = 0; r < MR; r++)                      \
-        if (t < cols && t < nt && r < rows) y[(size_t)r * N + n + t] = _mm512_reduce_add_ps(acc[t][r]);
+        if (t < cols && t < nt && r < rows) y[(size_t)r * N + n + t] = v16_sum(acc[t][r]);
 
-/* Q4_1 through a table: the block's 16 possible weights d * q + m (q = 0..15, rounded as the GGUF
-   reader rounds them) fill one register, and each code picks its weight (vpermps reads an index's
-   low 4 bits, so the low nibble needs no mask). */
-static inline __attribute__((always_inline)) void q4_1_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many,
-                                                            float *y, int N, int n, int nt) {
-    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+INLINE void q4_1_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many, float *y, int N, int n, int nt) {
     TILE_BODY(Q4_1_BYTES(G),
-        const float d = ((const float *)(at + G * 16))[lane], m = ((const float *)(at + G * 20))[lane];
-        const __m512 table = _mm512_add_ps(_mm512_mul_ps(codes16, _mm512_set1_ps(d)), _mm512_set1_ps(m));
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + lane * 16)));
-        w0[t] = _mm512_permutexvar_ps(codes, table);
-        w1[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+        q4_1_weights(at + lane * 16, ((const float *)(at + G * 16))[lane], ((const float *)(at + G * 20))[lane], &w0[t], &w1[t]);
     )
 }
 
-static inline __attribute__((always_inline)) void q8_0_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many,
-                                                            float *y, int N, int n, int nt) {
+INLINE void q8_0_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many, float *y, int N, int n, int nt) {
     TILE_BODY(Q8_0_BYTES(G),
-        const __m512 scale = _mm512_set1_ps(((const float *)(at + G * 32))[lane]);
+        const v16 scale = v16_set1(((const float *)(at + G * 32))[lane]);
         const int8_t *codes = (const int8_t *)(at + lane * 32);
-        w0[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))), scale);
-        w1[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))), scale);
+        w0[t] = v16_mul(v16_from_i8(codes), scale);
+        w1[t] = v16_mul(v16_from_i8(codes + 16), scale);
     )
 }
 
@@ -144,163 +385,196 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const
     PRODUCT(q8_0_tile)
 }
 
-/* ---- Products on 8- and 16-bit activations (weights="gguf-q8", "gguf-q16") -----------------------
-   llama.cpp's arithmetic for these blocks: each row is quantised per block of 32 inputs to signed
-   bytes a with one float scale (d_a = max|x| / 127, a = round(x / d_a)), and a block's product is an
-   exact integer dot product of codes, scaled:
+/* ==== Products on 8- and 16-bit activations (weights="gguf-q8", "gguf-q16") =======================
+   llama.cpp's arithmetic for these blocks: each row is quantised per block of 32 inputs to integers a
+   with one float scale (d_a = max|x| / 127, a = round(x / d_a); "q16": max|x| / 32639), and a block's
+   product is an exact integer dot product of codes, scaled:
      Q4_1: sum_k w x ~ d_w d_a sum(q a) + m_w (d_a sum(a))
      Q8_0: sum_k w x ~ d_w d_a sum(q a)
-   The weights are the file's, unchanged; only the activations are rounded (to 1/254 of a block's
-   largest magnitude), so these are another model's products than the float32 kernels above: opt in.
-   With two planes (weights="gguf-q16") the rows are rounded to 16 bits (1/65278 of a block's largest
-   magnitude) and split exactly into two bytes each; a block takes two integer dot products.
-   VNNI's vpdpbusd multiplies 64 unsigned by signed bytes into 16 sums per instruction, four times the
-   multiply-adds of a 512-bit float FMA, so products of several rows cost little more than one.
+   The weights are the file's, unchanged; only the activations are rounded (q8: to 1/254 of a block's
+   largest magnitude; q16: 1/65278), so these are another model's products than the float32 kernels
+   above: "gguf-q8" is asked for by name, "gguf-q16" is a candidate of "auto" (weights.py).
 
-   Layout (Blocks.vnni in blocks.py): outputs in groups of 16, one 32-bit lane each; per group, its
-   blocks in input order. A Q4_1 block: 4 x 64 bytes of codes (register j, lane o: the byte holding
+   The integer dot products, exact on every level (so every level gives the same bits):
+   - VNNI (AVX512-VNNI, AVX-VNNI): vpdpbusd multiplies 4 unsigned code bytes by 4 signed activation
+     bytes per lane. q16 rows are split exactly into two planes of bytes (a = 256 high + low), so a
+     block takes two dot products per register.
+   - otherwise (AVX2, AVX-512 without VNNI): vpmaddwd on 16-bit halves of the lanes, codes widened
+     by a mask and a shift, activations kept as 16-bit integers (both q8 and q16: one plane).
+
+   Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
+   its blocks in input order. A Q4_1 block: 4 registers of codes (register j, lane o: the byte holding
    codes 4j..4j+3 of output o in its low nibbles, 16+4j.. in its high ones, as the file packs them),
-   then the 16 scales and 16 minimums as float16 (exactly the file's). A Q8_0 block: 8 x 64 bytes of
-   codes + 128 (unsigned; the dot product subtracts 128 sum(a), exactly), then 16 float16 scales.
+   then the LANES scales and minimums as float16 (exactly the file's). A Q8_0 block: 8 registers of
+   codes + 128 (unsigned; the dot product subtracts 128 sum(a), exactly), then the float16 scales.
 
-   Row-invariant by construction: a row's quantisation reads only the row; each (row, output) pair is
-   one lane taking the same integer dot products and float multiply-adds in the same order (no
-   horizontal sum), whatever else shares the call and whichever thread computes it.
+   Each (row, output) pair is one lane taking the same integer dot products and float multiply-adds
+   in the same order (no horizontal sum), whatever else shares the call and whichever thread and level
+   computes it. */
 
-   Built where the compiler targets AVX512-VNNI and AVX512-BW (agentspec_vnni says whether). */
+#define INT_BYTES(q8_0) ((q8_0) ? LANES * 32 + LANES * 2 : LANES * 16 + LANES * 4) /* a group's block */
+#define REGISTER (LANES * 4)                                                       /* bytes of codes per register */
+#define ROWS8 8                                                                    /* rows per tile, at most */
+#if AGENTSPEC_VNNI
+#define ROW_BYTES(planes) (32 * (planes)) /* a row's block: its planes of 32 signed bytes */
+#else
+#define ROW_BYTES(planes) 64 /* a row's block: per register j, the 16-bit pairs (a[4j], a[4j+2]), (a[4j+1], a[4j+3]) */
+#endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-const int agentspec_vnni = 1;
-
-#define LANES 16
-#define Q4_1_VNNI_BYTES (LANES * 16 + LANES * 4) /* codes, float16 scales and minimums */
-#define Q8_0_VNNI_BYTES (LANES * 32 + LANES * 2) /* codes + 128, float16 scales */
-#define ROWS8 8                                  /* rows per tile, at most */
-
-/* Row r, block b: its `planes` planes of 32 signed bytes at codes + ((r * nb + b) * planes + plane) * 32;
-   its scale d, d * sum(a) and sum(a). */
+/* Row r, block b (at b * M + r: a block's rows side by side, at offsets fixed at compile time): its
+   codes at codes + (b * M + r) * ROW_BYTES; its scale d, d * sum(a) and sum(a). */
 typedef struct {
-    int8_t *codes;
+    uint8_t *codes;
     float *scale, *scaled_sum;
     int32_t *sum;
+    int M;
 } agentspec_q8_rows;
 
-/* One plane: a = round(x / d), d = max|x| / 127. Two planes: a = round(x / d), d = max|x| / 32639,
+/* 16 rows' values rounded to integers (nearest, ties to even: the default rounding mode), as int32 */
+#if AGENTSPEC_WIDTH == 512
+INLINE void round_to_int(v16 a, int32_t out[16]) { _mm512_storeu_si512(out, _mm512_cvtps_epi32(a)); }
+#else
+INLINE void round_to_int(v16 a, int32_t out[16]) {
+    _mm256_storeu_si256((__m256i *)out, _mm256_cvtps_epi32(a.lo));
+    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_cvtps_epi32(a.hi));
+}
+#endif
+
+/* One block of 32 inputs of a row: a = round(x * inverse) into the level's codes; returns sum(a). One
+   plane: a = round(x / d), d = max|x| / 127. Two planes (VNNI): a = round(x / d), d = max|x| / 32639,
    as 256 * high + low with high = floor((a + 128) / 256) and low = a - 256 * high, both in
    [-128, 127]: a dot product with them is 256 * (the high plane's) + (the low plane's), exactly. */
+INLINE int32_t quantise_block(const float *xb, float inverse, const int planes, uint8_t *codes) {
+    int32_t a[32];
+    round_to_int(v16_mul(v16_load(xb), v16_set1(inverse)), a);
+    round_to_int(v16_mul(v16_load(xb + 16), v16_set1(inverse)), a + 16);
+    int32_t sum = 0;
+    for (int i = 0; i < 32; i++) sum += a[i];
+#if AGENTSPEC_VNNI
+    for (int i = 0; i < 32; i++) {
+        if (planes == 1) {
+            codes[i] = (uint8_t)(int8_t)a[i];
+        } else {
+            const int32_t high = (a[i] + 128) >> 8; /* arithmetic shift: floor */
+            codes[i] = (uint8_t)(int8_t)high;
+            codes[32 + i] = (uint8_t)(int8_t)(a[i] - 256 * high);
+        }
+    }
+#else
+    int16_t *pairs = (int16_t *)codes;
+    for (int j = 0; j < 8; j++) {
+        pairs[4 * j] = (int16_t)a[4 * j], pairs[4 * j + 1] = (int16_t)a[4 * j + 2];
+        pairs[4 * j + 2] = (int16_t)a[4 * j + 1], pairs[4 * j + 3] = (int16_t)a[4 * j + 3];
+    }
+#endif
+    return sum;
+}
+
 static void quantise_rows(const float *x, int M, int K, const int planes, agentspec_q8_rows *q) {
     const int nb = K / 32;
     const float top_code = planes == 1 ? 127.0f : 32639.0f;
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * K + (size_t)b * 32;
-            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float top = v16_top(v16_max(v16_abs(v16_load(xb)), v16_abs(v16_load(xb + 16))));
             const float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
-            /* round to nearest, ties to even (the default rounding mode) */
-            const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inverse)));
-            const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inverse)));
-            const size_t at = (size_t)r * nb + b;
-            int8_t *codes = q->codes + at * 32 * planes;
-            if (planes == 1) {
-                _mm_storeu_si128((__m128i *)codes, _mm512_cvtsepi32_epi8(a0));
-                _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtsepi32_epi8(a1));
-            } else {
-                const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(a0, _mm512_set1_epi32(128)), 8);
-                const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(a1, _mm512_set1_epi32(128)), 8);
-                _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(h0));
-                _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtepi32_epi8(h1));
-                _mm_storeu_si128((__m128i *)(codes + 32), _mm512_cvtepi32_epi8(_mm512_sub_epi32(a0, _mm512_slli_epi32(h0, 8))));
-                _mm_storeu_si128((__m128i *)(codes + 48), _mm512_cvtepi32_epi8(_mm512_sub_epi32(a1, _mm512_slli_epi32(h1, 8))));
-            }
-            q->sum[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+            const size_t at = (size_t)b * M + r;
+            q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes));
             q->scale[at] = d;
             q->scaled_sum[at] = d * (float)q->sum[at];
         }
 }
 
-/* One tile: the 16 outputs of group g for `rows` rows on activations in `planes` planes (compile-time
-   constants at every call site). A block's dot product of a row: the high plane's, times 256, plus
-   the low plane's (one plane: its two halves), in 32-bit integers (|sum| < 2^29), so exact whatever
-   the order. Two independent chains of vpdpbusd instead of one per row: 8 rows' products took 4.5
-   against 7.0 ms (8-bit; 16-bit 6.4 against 9.2) for the default model's 120 layer products. */
-static inline __attribute__((always_inline)) void vnni_tile(const int q8_0, const int planes, const agentspec_q8_rows *q, const int rows, int K,
-                                                           const uint8_t *w, float *y, int N, int g) {
-    const int nb = K / 32, bytes = q8_0 ? Q8_0_VNNI_BYTES : Q4_1_VNNI_BYTES, codes = q8_0 ? LANES * 32 : LANES * 16;
-    const __m512i nibble = _mm512_set1_epi8(15);
-    __m512 acc[ROWS8];
-    UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = _mm512_setzero_ps();
+/* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes (compile-
+   time constants at every call site). A block's dot product of a row, in 32-bit integers (|sum| <
+   2^29, so exact whatever the order): with VNNI two chains of vpdpbusd (one per plane, or halves of
+   the registers) to hide its latency; with vpmaddwd one chain of additions (1 cycle each), so 8 rows'
+   sums stay in 16 ymm registers. */
+INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w, float *y, int N, int g) {
+    const int nb = K / 32, bytes = INT_BYTES(q8_0), codes = q8_0 ? LANES * 32 : LANES * 16;
+    vf acc[ROWS8];
+    UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
         const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
         for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + AHEAD * bytes + line), _MM_HINT_T0);
-        __m512i v[8]; /* registers j of the block: Q8_0, 4 codes + 128 per lane; Q4_1, codes 4j.. (v[j]) and 16+4j.. (v[4 + j]) */
-        if (q8_0) {
-            UNROLL for (int j = 0; j < 8; j++) v[j] = _mm512_loadu_si512(at + 64 * j);
-        } else {
-            UNROLL for (int j = 0; j < 4; j++) {
-                const __m512i both = _mm512_loadu_si512(at + 64 * j);
-                v[j] = _mm512_and_si512(both, nibble);
-                v[4 + j] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
-            }
-        }
-        __m512i dot[ROWS8];
-        UNROLL for (int r = 0; r < ROWS8; r++) {
-            if (r < rows) {
-                const int32_t *a = (const int32_t *)(q->codes + ((size_t)r * nb + b) * 32 * planes);
-                __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains of dot products: each plane's, or halves of one */
-                UNROLL for (int j = 0; j < 8 * planes; j++) {
-                    const int chain = planes == 2 ? j / 8 : j % 2;
-                    part[chain] = _mm512_dpbusd_epi32(part[chain], v[j % 8], _mm512_set1_epi32(a[j]));
+        const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
+        vi part[ROWS8][2];
+        UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
+#if AGENTSPEC_VNNI
+        UNROLL
+#else
+        _Pragma("GCC unroll 1") /* unrolled, GCC reassociates the exact sums into trees of spilled registers */
+#endif
+        for (int j = 0; j < 8; j++) { /* register j: weights 4j..4j+3 of each lane's output */
+            const vi raw = vi_load(at + REGISTER * (q8_0 ? j : j % 4));
+            const int shift = q8_0 || j < 4 ? 0 : 4; /* Q4_1: low nibbles, then high ones */
+#if AGENTSPEC_VNNI
+            const vi u = q8_0 ? raw : vi_and16(vi_shr16(raw, shift), 0x0F0F);
+            UNROLL for (int r = 0; r < ROWS8; r++) {
+                if (r < rows) {
+                    const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
+                    if (planes == 2) {
+                        part[r][0] = vi_dot4(part[r][0], u, vi_set1(a[j]));
+                        part[r][1] = vi_dot4(part[r][1], u, vi_set1(a[8 + j]));
+                    } else {
+                        part[r][j % 2] = vi_dot4(part[r][j % 2], u, vi_set1(a[j]));
+                    }
                 }
-                dot[r] = _mm512_add_epi32(planes == 2 ? _mm512_slli_epi32(part[0], 8) : part[0], part[1]);
-                if (q8_0) dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * q->sum[(size_t)r * nb + b]));
             }
+#else
+            const int16_t mask = q8_0 ? 0x00FF : 0x000F;
+            const vi even = vi_and16(vi_shr16(raw, shift), mask), odd = vi_and16(vi_shr16(raw, 8 + shift), mask); /* bytes 0, 2 and 1, 3 */
+            UNROLL for (int r = 0; r < ROWS8; r++) {
+                if (r < rows) {
+                    const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
+                    part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(even, vi_set1(a[2 * j]))), vi_madd16(odd, vi_set1(a[2 * j + 1])));
+                }
+            }
+#endif
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + codes)));
-        const __m512 m = q8_0 ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + codes + 32)));
+        const vf d = vf_load_half(at + codes);
+        const vf m = q8_0 ? vf_zero() : vf_load_half(at + codes + 2 * LANES);
         UNROLL for (int r = 0; r < ROWS8; r++) {
             if (r < rows) {
-                const size_t rb = (size_t)r * nb + b;
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(q->scale[rb])), acc[r]);
-                if (!q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->scaled_sum[rb]), acc[r]);
+                const size_t rb = rows_at + r;
+                vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
+                if (q8_0) dot = vi_sub(dot, vi_set1(128 * q->sum[rb]));
+                acc[r] = vf_fmadd(vf_from_vi(dot), vf_mul(d, vf_set1(q->scale[rb])), acc[r]);
+                if (!q8_0) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
             }
         }
     }
     const int live = N - g * LANES < LANES ? N - g * LANES : LANES;
     UNROLL for (int r = 0; r < ROWS8; r++)
-        if (r < rows) _mm512_mask_storeu_ps(y + (size_t)r * N + (size_t)g * LANES, (__mmask16)((1u << live) - 1), acc[r]);
+        if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define VNNI_CHUNK(Q8_0, PLANES, ROWS)                                                             \
+#define INT_CHUNK(Q8_0, PLANES, ROWS)                                                              \
     {                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-        for (int g = 0; g < groups; g++) vnni_tile(Q8_0, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (int g = 0; g < groups; g++) int_tile(Q8_0, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
-#define VNNI_PRODUCT(Q8_0, PLANES)                                                                 \
+#define INT_PRODUCT(Q8_0, PLANES)                                                                  \
     const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                      \
-    agentspec_q8_rows q = {malloc((size_t)M * K * PLANES), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb)}; \
+    agentspec_q8_rows q = {malloc((size_t)M * nb * ROW_BYTES(PLANES)), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb), M}; \
     quantise_rows(x, M, K, PLANES, &q);                                                            \
     for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
-        const size_t at = (size_t)r0 * nb;                                                         \
-        const agentspec_q8_rows part = {q.codes + at * 32 * PLANES, q.scale + at, q.scaled_sum + at, q.sum + at}; \
-        BY_COUNT(M - r0, VNNI_CHUNK, Q8_0, PLANES)                                                 \
+        const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, M}; \
+        BY_COUNT(M - r0, INT_CHUNK, Q8_0, PLANES)                                                  \
     }                                                                                              \
     free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
 
-/* w: the blocks as Blocks.vnni lays them out. */
-void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(0, 1) }
+/* w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. */
+void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1) }
 
-void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(1, 1) }
+void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 1) }
 
-void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(0, 2) }
+void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2) }
 
-void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { VNNI_PRODUCT(1, 2) }
-#else
-const int agentspec_vnni = 0;
-#endif
+void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 2) }
 
-/* ---- The decoder layers of a Llama model in one call ------------------------------------------
+/* ==== The decoder layers of a Llama model in one call =============================================
    Everything between the embedding and the final norm: per layer RMSNorm, the q/k/v product, the
    rotary embedding, the new keys and values written to each sequence's block, causal attention of
    each sequence over its own block, the output product and residual, RMSNorm, the gate/up product,
@@ -310,7 +584,7 @@ const int agentspec_vnni = 0;
 
 typedef struct {
     int kind;               /* 0: Q4_1, 1: Q8_0, on float32 rows; 2, 3: on 8-bit rows; 4, 5: on 16-bit rows */
-    const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; 8-bit rows: few, laid out for VNNI */
+    const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
 } agentspec_blocks;
 
 typedef struct {
@@ -326,8 +600,8 @@ typedef struct {
 
 /* 16 keys' (values') elements from a block of float32 or, with `half` (a compile-time constant at
    each call site), float16 — converted exactly to float32. */
-static inline __attribute__((always_inline)) __m512 load_kv(const void *kv, size_t index, const int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + index))) : _mm512_loadu_ps((const float *)kv + index);
+INLINE v16 load_kv(const void *kv, size_t index, const int half) {
+    return half ? v16_load_half((const uint16_t *)kv + index) : v16_load((const float *)kv + index);
 }
 
 /* Layer l's keys (which = 0) or values (1) of key/value head h in a sequence's block: [capacity, head_dim]. */
@@ -343,52 +617,36 @@ static inline void store_kv(void *kv, size_t slot, const float *x, int head_dim,
         return;
     }
     for (int i = 0; i < head_dim; i += 16) /* head_dim: a multiple of 16 (blocks.py) */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)kv + slot * head_dim + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        v16_store_half((uint16_t *)kv + slot * head_dim + i, v16_load(x + i));
 }
 
 /* e^x, 16 lanes (Cephes' single-precision polynomial, within 2 ulp; the same bits for a lane
-   whatever its neighbours): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 ~ 1.6e-38: nothing below matters here */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The sums of 16 vectors' lanes, as one vector (lane j: the sum of a[j]'s lanes), by a fixed tree:
-   pairs of elements within 128-bit lanes, then pairs of pairs, then the four 128-bit lanes. Every
-   vector's sum takes the same additions in the same order wherever it sits among the 16, so a key's
-   score does not depend on which keys share its chunk. */
-static inline __m512 reduce16(const __m512 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (a[2i] 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3) */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per 128-bit lane: (0+2)+(1+3) of a[4i], a[4i+1], a[4i+2], a[4i+3] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++) /* 128-bit lanes 0+1 and 2+3 of c[2i], then of c[2i+1] */
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+   whatever its neighbours): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2. Below -87 it is
+   e^-87 (~1.6e-38: nothing below matters here); above 89, infinite. */
+INLINE v16 exp16(v16 x) {
+    x = v16_min(v16_max(x, v16_set1(-87.0f)), v16_set1(89.0f));
+    const v16 n = v16_round(v16_mul(x, v16_set1(1.44269504088896341f)));
+    v16 r = v16_fnmadd(n, v16_set1(0.693359375f), x);
+    r = v16_fnmadd(n, v16_set1(-2.12194440e-4f), r);
+    v16 p = v16_set1(1.9875691500e-4f);
+    p = v16_fmadd(p, r, v16_set1(1.3981999507e-3f));
+    p = v16_fmadd(p, r, v16_set1(8.3334519073e-3f));
+    p = v16_fmadd(p, r, v16_set1(4.1665795894e-2f));
+    p = v16_fmadd(p, r, v16_set1(1.6666665459e-1f));
+    p = v16_fmadd(p, r, v16_set1(5.0000001201e-1f));
+    p = v16_add(v16_fmadd(p, v16_mul(r, r), r), v16_set1(1.0f));
+    return v16_scale2(p, n);
 }
 
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
     switch (w->kind) {
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     case 2: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
     case 3: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
     case 4: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
     case 5: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
-#endif
-    default: abort(); /* blocks.py lays out integer-row blocks only where agentspec_vnni */
+    default: abort(); /* blocks.py: _blocks_arg */
     }
 }
 
@@ -396,13 +654,13 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
 static void rms_norm(const float *x, int rows, int H, const float *weight, float eps, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * H;
-        __m512 acc = _mm512_setzero_ps();
+        v16 acc = v16_zero();
         int i = 0;
         for (; i + 16 <= H; i += 16) {
-            const __m512 v = _mm512_loadu_ps(xr + i);
-            acc = _mm512_fmadd_ps(v, v, acc);
+            const v16 v = v16_load(xr + i);
+            acc = v16_fmadd(v, v, acc);
         }
-        float sum = _mm512_reduce_add_ps(acc);
+        float sum = v16_sum(acc);
         for (; i < H; i++) sum += xr[i] * xr[i];
         const float inverse = 1.0f / sqrtf(sum / (float)H + eps);
         for (int j = 0; j < H; j++) out[(size_t)r * H + j] = weight[j] * (xr[j] * inverse);
@@ -416,60 +674,56 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
    The keys and values are read once for all the heads: 16 keys at a time, reused from cache by each
    head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
    same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
-   summed by reduce16's tree, and a head's values are summed in key order. */
-static inline __attribute__((always_inline)) void attend_chunks(const int chunks, const int half, const float *q, int queries, const void *keys,
-                                                               const void *values, int seen, float scaling, float *p, size_t stride, float *out) {
+   summed by v16_sums' tree, and a head's values are summed in key order. */
+INLINE void attend_chunks(const int chunks, const int half, const float *q, int queries, const void *keys, const void *values, int seen, float scaling,
+                          float *p, size_t stride, float *out) {
     const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
     for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
         const int live = seen - s0 < 16 ? seen - s0 : 16;
         for (int h = 0; h < queries; h++) {
-            __m512 query[8], dots[16];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = _mm512_loadu_ps(q + (size_t)h * head_dim + 16 * i);
+            v16 query[8], dots[16];
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = v16_load(q + (size_t)h * head_dim + 16 * i);
             UNROLL for (int j = 0; j < 16; j++) {
-                dots[j] = _mm512_setzero_ps();
+                dots[j] = v16_zero();
                 if (j < live) {
                     const size_t k = (size_t)(s0 + j) * head_dim;
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = _mm512_fmadd_ps(query[i], load_kv(keys, k + 16 * i, half), dots[j]);
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = v16_fmadd(query[i], load_kv(keys, k + 16 * i, half), dots[j]);
                 }
             }
-            _mm512_mask_storeu_ps(p + h * stride + s0, (__mmask16)((1u << live) - 1), _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scaling)));
+            v16_store_first(p + h * stride + s0, v16_mul(v16_sums(dots), v16_set1(scaling)), live);
         }
     }
     float total[queries];
-    for (int h = 0; h < queries; h++) { /* softmax numerators and their sum, 16 scores at a time (the last chunk masked) */
+    for (int h = 0; h < queries; h++) { /* softmax numerators and their sum, 16 scores at a time (the last chunk's tail left out) */
         float *ph = p + h * stride;
-        __m512 highest = _mm512_set1_ps(-INFINITY), sum16 = _mm512_setzero_ps();
+        v16 highest = v16_set1(-INFINITY), sum16 = v16_zero();
+        for (int s = 0; s < seen; s += 16) highest = v16_max(highest, v16_load_first(ph + s, seen - s, -INFINITY));
+        const v16 top = v16_set1(v16_top(highest));
         for (int s = 0; s < seen; s += 16) {
-            const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
-            highest = _mm512_mask_max_ps(highest, live, highest, _mm512_maskz_loadu_ps(live, ph + s));
+            const v16 e = exp16(v16_sub(v16_load_first(ph + s, seen - s, 0.0f), top));
+            v16_store_first(ph + s, e, seen - s);
+            sum16 = v16_add(sum16, v16_keep_first(e, seen - s));
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(highest));
-        for (int s = 0; s < seen; s += 16) {
-            const __mmask16 live = seen - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - s)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, ph + s), top));
-            _mm512_mask_storeu_ps(ph + s, live, e);
-            sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(live, e));
-        }
-        total[h] = _mm512_reduce_add_ps(sum16);
+        total[h] = v16_sum(sum16);
     }
     for (int h0 = 0; h0 < queries; h0 += group) { /* the numerators' weighted values in key order, divided by their sum */
         const int n = queries - h0 < group ? queries - h0 : group;
-        __m512 sums[12][8];
-        UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = _mm512_setzero_ps();
+        v16 sums[12][8];
+        UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = v16_zero();
         for (int s = 0; s < seen; s++) {
-            __m512 v[8];
+            v16 v[8];
             UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = load_kv(values, (size_t)s * head_dim + 16 * i, half);
             UNROLL for (int g = 0; g < 12; g++) {
                 if (g < group && g < n) {
-                    const __m512 weight = _mm512_set1_ps(p[(h0 + g) * stride + s]);
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) sums[g][i] = _mm512_fmadd_ps(weight, v[i], sums[g][i]);
+                    const v16 weight = v16_set1(p[(h0 + g) * stride + s]);
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) sums[g][i] = v16_fmadd(weight, v[i], sums[g][i]);
                 }
             }
         }
         UNROLL for (int g = 0; g < 12; g++)
             if (g < group && g < n)
                 UNROLL for (int i = 0; i < 8; i++)
-                    if (i < chunks) _mm512_storeu_ps(out + (size_t)(h0 + g) * head_dim + 16 * i, _mm512_div_ps(sums[g][i], _mm512_set1_ps(total[h0 + g])));
+                    if (i < chunks) v16_store(out + (size_t)(h0 + g) * head_dim + 16 * i, v16_div(sums[g][i], v16_set1(total[h0 + g])));
     }
 }
 
@@ -481,6 +735,24 @@ static void attend(int half, const float *q, int queries, int head_dim, const vo
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1)
     else
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0)
+}
+
+/* SiLU(gate) * up of one row, gate / (1 + e^-gate) as torch computes it; a tail of fewer than 16
+   through a padded copy, so every element takes the same operations. */
+static void silu_times(const float *gate, const float *value, int n, float *act) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 g = v16_load(gate + i);
+        const v16 silu = v16_div(g, v16_add(v16_set1(1.0f), exp16(v16_sub(v16_zero(), g))));
+        v16_store(act + i, v16_mul(silu, v16_load(value + i)));
+    }
+    if (i < n) {
+        float g[16] = {0}, u[16] = {0}, a[16];
+        memcpy(g, gate + i, sizeof(float) * (n - i));
+        memcpy(u, value + i, sizeof(float) * (n - i));
+        silu_times(g, u, 16, a);
+        memcpy(act + i, a, sizeof(float) * (n - i));
+    }
 }
 
 void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
@@ -543,18 +815,7 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
         rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
         blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads);
-        /* SiLU(gate) * up, gate / (1 + e^-gate) as torch computes it */
-        for (int t = 0; t < T; t++) {
-            const float *gate = up + (size_t)t * 2 * intermediate, *value = gate + intermediate;
-            float *act = normed + (size_t)t * intermediate;
-            int i = 0;
-            for (; i + 16 <= intermediate; i += 16) {
-                const __m512 g = _mm512_loadu_ps(gate + i);
-                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                _mm512_storeu_ps(act + i, _mm512_mul_ps(silu, _mm512_loadu_ps(value + i)));
-            }
-            for (; i < intermediate; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * value[i];
-        }
+        for (int t = 0; t < T; t++) silu_times(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate, normed + (size_t)t * intermediate);
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
         for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
     }

@@ -12,25 +12,22 @@ output is one accumulator taking the same operations whatever shares the call), 
 needs. ``BlockLlamaPass`` runs the decoder layers around them in one compiled call as well.
 
 The blocks are stored grouped (``Blocks.grouped``): a group of outputs' blocks side by side, so a
-product of one row streams one run of memory per tile of 8 outputs instead of three per output
-(codes, scales, minimums). Measured here (2-core AMD EPYC Zen 4; the decoder layers' 120 products
-called from Python, weights streamed from memory, best of 8, interleaved with the ungrouped layout):
-1/2/4/8/16 rows 3.4/4.0/8.8–10/13.6/25 ms against 4.9/5.7/8.2–11/14.4/26 (the C loop alone: 2.5
-against 4.8 ms for one row, 31 against 17 GB/s; two cores stream ~34 GB/s). oneDNN-packed float32
-weights took 25–31 ms for 1–8 rows (with the LM head). From a few rows on the kernels are bound by
-multiply-adds, not bytes (84 G/s at 64 rows, about two Zen 4 cores' peak for 512-bit FMAs), so a
-512-token prefill takes a little longer than on oneDNN's GEMM (924–963 against 817–859 ms).
+product of one row streams one run of memory per tile of outputs instead of three per output (codes,
+scales, minimums). From a few rows on, float32 products are bound by multiply-adds, not bytes; that
+is why the same blocks also multiply rows rounded to integers per block of 32 (``activations``:
+``"q8"``, ``"q16"``; ``weights="gguf-q8"``, ``"gguf-q16"``): exact integer dot products do several
+times a float FMA's multiply-adds per instruction, and 16-bit rows keep the logits within ~0.01 of
+float32's (``blocks.c``, ``weights.py``).
 
-That bound is why the same blocks also multiply rows rounded to integers per block of 32
-(``activations``: ``"q8"``, ``"q16"``; ``weights="gguf-q8"``, ``"gguf-q16"``): AVX512-VNNI's byte
-dot products do four times a float FMA's multiply-adds per instruction, exactly, and 16-bit rows
-(two planes of bytes) keep the logits within ~0.01 of float32's (``blocks.c``, ``weights.py``).
-
-The kernels are C (AVX-512), compiled on first use with the machine's C compiler (``$CC``, else
-``cc``) for this CPU and cached under ``$AGENTSPEC_CACHE_DIR/kernels`` (about a second); where
-there is no compiler or no AVX-512 the pass is not a candidate and says why. Weights whose blocks
-are of another type (or float) take oneDNN-packed float32 products instead; every block is checked
-at start-up to dequantise to the loaded weight, bit for bit, or the pass is refused.
+The kernels are C, one source built per instruction-set level (``LEVELS``: AVX-512 with and without
+VNNI, AVX2 with and without AVX-VNNI), compiled on first use with the machine's C compiler (``$CC``,
+else ``cc``) and cached under ``$AGENTSPEC_CACHE_DIR/kernels``. A pass runs on the fastest level the
+CPU runs (``$AGENTSPEC_ISA`` caps it: ``AGENTSPEC_ISA=avx2`` runs an AVX-512 machine as an AVX2 one),
+and every level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree,
+integer dot products exact. Where there is no compiler or no AVX2 the pass is not a candidate and
+says why. Weights whose blocks are of another type (or float) take oneDNN-packed float32 products
+instead; every block is checked at start-up to dequantise to the loaded weight, bit for bit, or the
+pass is refused.
 """
 
 from __future__ import annotations
@@ -58,30 +55,58 @@ from .packed import Segment
 
 __all__ = [
     "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
-    "blocks_unsupported",
+    "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels",
 ]
 
 log = logging.getLogger("agentspec.engine")
 
 KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 BLOCK_TYPES = ("Q4_1", "Q8_0")
 # What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
-# quantised per block of 32 to integers, multiplied by the codes with VNNI's integer dot products:
-# to 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``, two planes of bytes: within ~0.01 of
-# float32's logits on the default model). Both are another model's arithmetic (weights.py: "gguf-q8"
-# is asked for by name, "gguf-q16" is a candidate of "auto").
+# quantised per block of 32 to integers, multiplied by the codes with exact integer dot products: to
+# 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``: within ~0.01 of float32's logits on the
+# default model). Both are another model's arithmetic (weights.py: "gguf-q8" is asked for by name,
+# "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
-INTEGER_ACTIVATIONS = ("q8", "q16")  # the products that need AVX512-VNNI (vnni_supported)
-LANES = 16  # outputs per group in the layout of the integer products (Blocks.vnni)
+INTEGER_ACTIVATIONS = ("q8", "q16")
 _SYMBOLS = {
     ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product",
     ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
     ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
 }
-NO_VNNI = "products on integer rows need AVX512-VNNI and AVX512-BW, which this CPU (or compiler) lacks"
+
+
+@dataclass(frozen=True)
+class Level:
+    """An instruction-set level the kernels are built for: ``blocks.c`` once per level, with the
+    vector width and integer dot product as macros. Every level computes the same bits."""
+
+    name: str
+    width: int  # AGENTSPEC_WIDTH: 512 (AVX-512) or 256 (AVX2, FMA, F16C)
+    vnni: bool  # AGENTSPEC_VNNI: integer products with vpdpbusd (else vpmaddwd)
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the level needs
+    # compiler flags, the first whose needs this CPU has (AVX-VNNI's vpdpbusd on ymm is also an
+    # AVX512-VNNI + VL instruction: a CPU with those runs the same code, EVEX-encoded)
+    variants: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
+
+
+_V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+# Fastest first. AGENTSPEC_ISA=<name> caps the level at <name> (tests build every level a CPU runs).
+LEVELS: tuple[Level, ...] = (
+    Level("avx512-vnni", 512, True, (*_V4, "avx512_vnni"), ((("-march=x86-64-v4", "-mavx512vnni"), ()),)),
+    Level("avx512", 512, False, _V4, ((("-march=x86-64-v4",), ()),)),
+    Level(
+        "avx2-vnni", 256, True, _V3,
+        ((("-march=x86-64-v3", "-mavxvnni"), ("avx_vnni",)), (("-march=x86-64-v3", "-mavx512vnni", "-mavx512vl"), ("avx512_vnni", "avx512vl"))),
+    ),
+    Level("avx2", 256, False, _V3, ((("-march=x86-64-v3",), ()),)),
+)
+LEVEL_NAMES = tuple(level.name for level in LEVELS)
+ISA_VARIABLE = "AGENTSPEC_ISA"
 _compile_lock = threading.Lock()
 
 
@@ -106,10 +131,37 @@ class _SegmentArg(ctypes.Structure):
 
 
 @functools.cache
-def _kernels() -> ctypes.CDLL | str:
-    """The compiled kernels, or why there are none here."""
+def _cpu_flags() -> frozenset[str] | None:
+    """This CPU's flags as Linux lists them (None where there is no /proc/cpuinfo: the built library
+    is asked instead)."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return None
+    line = next((line for line in info.read_text().splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _variant(level: Level) -> tuple[str, ...] | str:
+    """The compiler flags of ``level`` for this CPU, or what the CPU lacks for it."""
+    flags = _cpu_flags()
+    missing = [] if flags is None else [f for f in level.needs if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    for variant, needs in level.variants:
+        if flags is None or all(f in flags for f in needs):
+            return variant
+    return f"this CPU lacks {' or '.join('+'.join(needs) for _, needs in level.variants)}"
+
+
+@functools.cache
+def _build(name: str) -> ctypes.CDLL | str:
+    """The kernels built for level ``name``, or why there are none here."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the GGUF block kernels are x86-64 (AVX-512); this machine is {platform.machine()}"
+        return f"the GGUF block kernels are x86-64 (AVX2 or AVX-512); this machine is {platform.machine()}"
+    level = LEVELS[LEVEL_NAMES.index(name)]
+    variant = _variant(level)
+    if isinstance(variant, str):
+        return f"{name}: {variant}"
     compiler = _compiler()
     if compiler is None:
         return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
@@ -118,63 +170,85 @@ def _kernels() -> ctypes.CDLL | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the C compiler {compiler!r} does not run ({exc})"
-    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
-    key = hashlib.sha256(b"|".join([source, " ".join(FLAGS).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
+    flags = (*FLAGS, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}")
+    cpu = " ".join(sorted(_cpu_flags() or ()))
+    key = hashlib.sha256(b"|".join([source, " ".join(flags).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
     folder = cache_dir("kernels")
     if folder is None:  # AGENTSPEC_CACHE_DIR=off: build in a folder of this process
         folder = Path(tempfile.mkdtemp(prefix="agentspec-kernels-"))
-    library = folder / f"blocks-{key}.so"
+    library = folder / f"blocks-{name}-{key}.so"
     with _compile_lock:
         if not library.exists():
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 partial = folder / f".{library.name}.{os.getpid()}"
-                done = subprocess.run([compiler, *FLAGS, str(KERNEL_SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300)
+                done = subprocess.run([compiler, *flags, str(KERNEL_SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.SubprocessError) as exc:
                 return f"could not build the GGUF block kernels in {folder} ({exc})"
             if done.returncode != 0:
                 error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-                return f"the GGUF block kernels do not build here ({error.strip()})"
+                return f"the GGUF block kernels do not build here for {name} ({error.strip()})"
             os.replace(partial, library)  # atomic: a concurrent builder's copy is the same
-            log.info("built the GGUF block kernels: %s", library)
+            log.info("built the GGUF block kernels for %s: %s", name, library)
     kernels = ctypes.CDLL(str(library))
+    if not kernels.agentspec_cpu_runs_this():
+        return f"{name}: this CPU does not run the kernels built for it"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    vnni = _has_vnni(kernels)
-    symbols = [symbol for (kind, activations), symbol in _SYMBOLS.items() if activations not in INTEGER_ACTIVATIONS or vnni]
-    for (kind, activations), symbol in _SYMBOLS.items():
-        if symbol in symbols:  # (x, M, K, blocks grouped for few rows [float32 rows: and for many], y, N, threads)
-            layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
-            getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
+    for (kind, activations), symbol in _SYMBOLS.items():  # (x, M, K, blocks [float32 rows: grouped for few rows, for many], y, N, threads)
+        layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
+        getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
+        getattr(kernels, symbol).restype = None
     # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, kv_half, threads)
     kernels.agentspec_llama_layers.argtypes = [
         pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer, integer,
     ]
-    for symbol in (*symbols, "agentspec_llama_layers"):
-        getattr(kernels, symbol).restype = None
+    kernels.agentspec_llama_layers.restype = None
+    kernels.isa = name
+    kernels.lanes = ctypes.c_int.in_dll(kernels, "agentspec_lanes").value
     return kernels
 
 
-def block_kernels() -> ctypes.CDLL:
-    """The compiled block kernels (built on first call); ``NotImplementedError`` where they cannot be."""
-    kernels = _kernels()
+def _kernels(isa: str | None = None) -> ctypes.CDLL | str:
+    """The kernels of level ``isa`` (default: the fastest level this CPU runs, at most
+    ``$AGENTSPEC_ISA``), or why there are none here."""
+    if isa is not None:
+        if isa not in LEVEL_NAMES:
+            return f"unknown instruction-set level {isa!r}; use one of {', '.join(LEVEL_NAMES)}"
+        return _build(isa)
+    cap = os.environ.get(ISA_VARIABLE) or LEVEL_NAMES[0]
+    if cap not in LEVEL_NAMES:
+        return f"{ISA_VARIABLE}={cap!r} is not a level; use one of {', '.join(LEVEL_NAMES)}"
+    reasons = []
+    for name in LEVEL_NAMES[LEVEL_NAMES.index(cap) :]:
+        kernels = _build(name)
+        if not isinstance(kernels, str):
+            return kernels
+        reasons.append(kernels)
+        if not kernels.startswith(f"{name}: "):  # not about this level: no level builds here
+            return kernels
+    return "no instruction-set level of the GGUF block kernels runs here (" + "; ".join(reasons) + ")"
+
+
+def isa_levels() -> list[str]:
+    """The instruction-set levels whose kernels build and run on this machine, fastest first."""
+    return [name for name in LEVEL_NAMES if not isinstance(_build(name), str)]
+
+
+def block_kernels(isa: str | None = None) -> ctypes.CDLL:
+    """The compiled block kernels of level ``isa`` (default: the fastest here, capped by
+    ``$AGENTSPEC_ISA``), built on first call; ``NotImplementedError`` where they cannot be."""
+    kernels = _kernels(isa)
     if isinstance(kernels, str):
         raise NotImplementedError(kernels)
     return kernels
 
 
-def _has_vnni(kernels: ctypes.CDLL) -> bool:
-    return ctypes.c_int.in_dll(kernels, "agentspec_vnni").value == 1
-
-
-def vnni_supported() -> bool:
-    """Whether the kernels here multiply blocks by integer rows (AVX512-VNNI and AVX512-BW)."""
-    kernels = _kernels()
-    return not isinstance(kernels, str) and _has_vnni(kernels)
-
-
-def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "float32") -> str | None:
+def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "float32", isa: str | None = None) -> str | None:
     """Why ``model`` cannot run on its GGUF file's blocks here (times ``activations``, one of
-    ``ACTIVATIONS``), or None when it may (the blocks themselves are checked when they are read)."""
+    ``ACTIVATIONS``; on level ``isa``, default the fastest here), or None when it may (the blocks
+    themselves are checked when they are read). Every level runs every activation."""
+    if activations not in ACTIVATIONS:
+        return f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}"
     if gguf_file is None:
         return "the model was not read from a GGUF file"
     reason = fused_unsupported(model)
@@ -183,12 +257,8 @@ def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "f
     weight = model.get_output_embeddings().weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"the GGUF block kernels take float32 rows on a CPU (the model is {weight.dtype} on {weight.device})"
-    kernels = _kernels()
-    if isinstance(kernels, str):
-        return kernels
-    if activations in INTEGER_ACTIVATIONS and not _has_vnni(kernels):
-        return NO_VNNI
-    return None
+    kernels = _kernels(isa)
+    return kernels if isinstance(kernels, str) else None
 
 
 @dataclass(frozen=True)
@@ -227,26 +297,27 @@ class Blocks:
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
 
-    def vnni(self) -> torch.Tensor:
-        """The blocks as the integer products of ``blocks.c`` read them: outputs in groups of 16 (the
-        last padded with zeros); per group, its blocks in input order, each its codes as 64-byte
-        registers (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's packed two to
-        a byte as in the file; Q8_0's plus 128, unsigned), then the 16 scales (and minimums) as
-        float16 — the file's own values: ``[groups, inputs / 32, bytes per block]`` bytes."""
+    def by_lanes(self, lanes: int) -> torch.Tensor:
+        """The blocks as the integer products of ``blocks.c`` read them, ``lanes`` outputs to a
+        register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of ``lanes`` (the last
+        padded with zeros); per group, its blocks in input order, each its codes as registers of
+        ``lanes`` 4-byte lanes (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's
+        packed two to a byte as in the file; Q8_0's plus 128, unsigned), then the ``lanes`` scales
+        (and minimums) as float16 — the file's own values: ``[groups, inputs / 32, bytes per block]``."""
         outputs, blocks = self.codes.shape[:2]
-        groups = -(-outputs // LANES)
-        pad = groups * LANES - outputs
+        groups = -(-outputs // lanes)
+        pad = groups * lanes - outputs
         codes = self.codes.view(torch.uint8) if self.kind == "Q4_1" else (self.codes.to(torch.int16) + 128).to(torch.uint8)
         codes = torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])])
         registers = codes.shape[-1] // 4  # 4 for Q4_1 (16 bytes a block), 8 for Q8_0 (32)
-        codes = codes.view(groups, LANES, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
+        codes = codes.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
         parts = [codes]
         for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
             half = values.to(torch.float16)
             if not torch.equal(half.float(), values):
                 raise NotImplementedError("the integer products keep scales as float16, and these are not float16 values")
             half = torch.cat([half, half.new_zeros(pad, blocks)])
-            parts.append(half.view(groups, LANES, blocks).transpose(1, 2).contiguous().view(torch.uint8))
+            parts.append(half.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
 
     def rows(self, order: torch.Tensor) -> "Blocks":
@@ -337,17 +408,20 @@ class GGUFBlocks:
     ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
     blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 or 16 bits
     with ``activations="q8"`` or ``"q16"``), else with ``fallback`` (oneDNN-packed float32).
-    ``blocks``: what ``read_blocks(model, gguf_file)`` gave, where it was read already."""
+    ``blocks``: what ``read_blocks(model, gguf_file)`` gave, where it was read already. ``isa``: the
+    kernels' instruction-set level (``LEVEL_NAMES``; default the fastest here, capped by
+    ``$AGENTSPEC_ISA``): every level gives the same bits, at its own speed."""
 
     def __init__(
-        self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32", blocks: dict[int, Blocks] | None = None
+        self, model: Any, gguf_file: Path, fallback: LinearFactory, activations: str = "float32", blocks: dict[int, Blocks] | None = None,
+        isa: str | None = None,
     ) -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
-        reason = blocks_unsupported(model, gguf_file, activations)
+        reason = blocks_unsupported(model, gguf_file, activations, isa)
         if reason is not None:
             raise NotImplementedError(reason)
-        self.kernels = block_kernels()
+        self.kernels = block_kernels(isa)
         self.fallback, self.activations = fallback, activations
         self.blocks = read_blocks(model, gguf_file) if blocks is None else blocks  # id(loaded weight) -> its blocks
         self.kinds = sorted({b.kind for b in self.blocks.values()})
@@ -367,23 +441,23 @@ class GGUFBlocks:
 
 class BlockProduct:
     """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels; with
-    ``activations="q8"`` (``"q16"``), on the rows quantised to 8 (16) bits per block of 32 (``blocks.c``)."""
+    ``activations="q8"`` (``"q16"``), on the rows quantised to 8 (16) bits per block of 32 (``blocks.c``).
+    ``kernels``: ``block_kernels(isa)`` of the level to run on (default: the fastest here)."""
 
     def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
-        if activations in INTEGER_ACTIVATIONS and not vnni_supported():
-            raise NotImplementedError(NO_VNNI)
-        self.kind, self.activations = blocks.kind, activations
-        if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads 16 outputs' blocks as one run of memory
-            self.few = blocks.vnni()
+        kernels = kernels or block_kernels()
+        self.kind, self.activations, self.isa = blocks.kind, activations, kernels.isa
+        if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads a register's outputs' blocks as one run of memory
+            self.few = blocks.by_lanes(kernels.lanes)
             self.many = None
         else:
             # Two copies of the blocks, grouped for products of one or two rows and for more: one row
             # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with three
             # runs per output), but the 2- and 4-output tiles of more rows read groups of 8 ~20% slower.
             self.few, self.many = (blocks.grouped(group) for group in GROUPS)
-        self.function = getattr(kernels or block_kernels(), _SYMBOLS[blocks.kind, activations])
+        self.function = getattr(kernels, _SYMBOLS[blocks.kind, activations])
         self.outputs, self.inputs = blocks.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -433,6 +507,7 @@ class BlockLlamaPass(FusedLlamaPass):
         for layer in self.layers:  # the C side reads the norms' memory directly
             assert all(norm.is_contiguous() and norm.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
         self.function = blocks.kernels.agentspec_llama_layers
+        self.isa = blocks.kernels.isa  # the kernels' instruction-set level
         self.kv_dtype = torch.float16 if blocks.activations in INTEGER_ACTIVATIONS else torch.float32
         self.layer_args = (_LayerArg * len(self.layers))(
             *(

@@ -17,7 +17,9 @@ The candidates (``CANDIDATES``):
 - ``"fused"``: ``FusedLlamaPass`` (``fused.py``), agentspec's own pass for Llama-architecture models,
   on oneDNN-packed weights where they run, else ``F.linear``.
 - ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
-  CPU, AVX-512, a C compiler): the same float32 weights, a fifth of the bytes per token.
+  an x86-64 CPU with AVX2 or AVX-512, a C compiler): the same float32 weights, a fifth of the bytes
+  per token. The kernels are built for the CPU's instruction-set level and give the same bits on
+  every level (``blocks.LEVELS``).
 - ``"gguf-q16"``: the ``"gguf"`` pass on rows rounded to 16 bits per block of 32 (below: it is in
   ``REDUCED`` too, the one arithmetic ``"auto"`` may pick that is not the loaded model's own).
 - ``"static"``: the fused pass over a key/value pool allocated once, one attention call per layer
@@ -38,29 +40,24 @@ Reduced precision (``REDUCED``): another model's logits. Asked for by name, but 
   It is slower than float32 here (oneDNN's bfloat16 products in eager).
 - ``"gguf-q8"``: the ``"gguf"`` pass with each product's input rows quantised to 8 bits per block
   of 32 (a scale per block, as llama.cpp multiplies these blocks), multiplied by the file's own
-  codes with AVX512-VNNI integer dot products (``blocks.c``). The weights are the file's, unchanged;
-  the activations are rounded, so its logits are another model's (llama.cpp's arithmetic): on 1024
-  teacher-forced tokens of text, the greedy choice of the float32 pass at 96.2% of positions
-  (``"bf16"``: 97.0%). Four times the multiply-adds per instruction: a pass of 8 positions took
-  7.8–9.0 ms against 20.9–21.7 on float32 rows, one position 4.2–4.7 against 5.0–5.7, a 512-token
-  prefill 416–450 against 1265–1277 ms (README: "8-bit activations"). Not the default: on the
-  repository's extraction example it names the company "Northwind Traders Inc. LLC" where the
-  float32 pass copies "Northwind Traders" from the e-mail; whether the speed is worth that is the
-  user's call.
-- ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (two planes of bytes,
-  two integer dot products per block: exact), a 256th of gguf-q8's rounding. On the default model
-  its logits are within 0.013 of the float32 pass's on 1024 teacher-forced tokens of text (gguf-q8:
-  1.7) and its greedy choice the same at all 1024; with its keys and values stored as float16, as
-  both integer passes store them (``BlockLlamaPass.kv_dtype``; llama.cpp's default cache), within
-  0.029 and still all 1024. The float16 cache halves what attention streams: a pass of 8 sequences
-  at 1000 tokens of context took 14.2 against 19.5 ms on a float32 cache, at 2000 20.4 against 30.9,
-  one sequence at 2000 5.8 against 6.7 (interleaved in one process). A pass of 8 positions took
-  11.8–12.0 ms against 17.6–20.4 on float32 rows, one position 3.4–3.5 against 4.4–4.9, a 512-token
-  prefill 537–546 against 838–847 ms (README: "16-bit activations"). So ``"auto"`` takes it where it
-  is the fastest (CPUs with AVX512-VNNI): a rounding 700 times float32's own (gguf's logits are
-  within 4e-5 of transformers'), not a visible change of model. Greedy decoding on it can still part
-  from transformers' float32 decoding where two tokens are within ~0.03 of each other;
-  ``weights="gguf"`` is the loaded model's own float32 arithmetic.
+  codes with exact integer dot products (``blocks.c``: vpdpbusd where the CPU has VNNI, vpmaddwd
+  elsewhere; the same bits). The weights are the file's, unchanged; the activations are rounded, so
+  its logits are another model's (llama.cpp's arithmetic): on 1024 teacher-forced tokens of text,
+  the greedy choice of the float32 pass at 96.2% of positions (``"bf16"``: 97.0%). Not the default:
+  on the repository's extraction example it names the company "Northwind Traders Inc. LLC" where
+  the float32 pass copies "Northwind Traders" from the e-mail; whether the speed is worth that is
+  the user's call.
+- ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (exact integer dot
+  products: two planes of bytes with VNNI, 16-bit integers without), a 256th of gguf-q8's rounding.
+  On the default model its logits are within 0.013 of the float32 pass's on 1024 teacher-forced
+  tokens of text (gguf-q8: 1.7) and its greedy choice the same at all 1024; with its keys and
+  values stored as float16, as both integer passes store them (``BlockLlamaPass.kv_dtype``;
+  llama.cpp's default cache), within 0.029 and still all 1024. The integer products take a
+  fraction of the float multiply-adds' instructions, so a pass of several positions costs less;
+  ``"auto"`` takes it where it measures fastest (README: "16-bit activations"): a rounding 700
+  times float32's own (gguf's logits are within 4e-5 of transformers'), not a visible change of
+  model. Greedy decoding on it can still part from transformers' float32 decoding where two tokens
+  are within ~0.03 of each other; ``weights="gguf"`` is the loaded model's own float32 arithmetic.
 
 The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
 use it); the faster passes hold a second copy of the linear weights (540 MB for the default model in
@@ -228,6 +225,8 @@ class SelectedWeights:
     # check's default, float32 rounding). A pass on rounded weights is another model: its bound only
     # catches a broken pass (attention without its past is off by whole units).
     tolerance: float | None = None
+    # The instruction-set level of the compiled kernels it runs on (blocks.LEVEL_NAMES), where it has them
+    isa: str | None = None
 
 
 MEASURED_POSITIONS = (1, 8)  # one plain token and a typical verification
@@ -308,7 +307,8 @@ def select_weights(model: Any, layout: KVLayout, requested: str = "auto", gguf_f
 
 def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None) -> SelectedWeights:
     if requested != "auto":
-        return SelectedWeights(requested, _build(model, requested, gguf_file), "requested", {}, _tolerance(requested))
+        forward = _build(model, requested, gguf_file)
+        return SelectedWeights(requested, forward, "requested", {}, _tolerance(requested), getattr(forward, "isa", None))
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     read = functools.cache(lambda: read_blocks(model, gguf_file))  # once for "gguf" and "gguf-q16"
@@ -329,8 +329,9 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     reason = f"measured passes of {'/'.join(map(str, MEASURED_POSITIONS))} positions: {shown}"
     if left_out:
         reason += f"; not candidates here: {'; '.join(left_out)}"
-    log.info("target pass: %s (%s)", best, reason)
-    return SelectedWeights(best, candidates[best], reason, timings, _tolerance(best))
+    isa = getattr(candidates[best], "isa", None)
+    log.info("target pass: %s%s (%s)", best, f" on {isa} kernels" if isa else "", reason)
+    return SelectedWeights(best, candidates[best], reason, timings, _tolerance(best), isa)
 
 
 def _tolerance(name: str) -> float | None:
