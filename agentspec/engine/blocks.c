@@ -20,7 +20,13 @@
    however many rows and outputs are computed beside it and whichever thread computes it. So a row's
    result does not depend on how many positions or sequences share its pass. */
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>
@@ -29,7 +35,7 @@
 #include <string.h>
 
 #if !defined(AGENTSPEC_WIDTH) || !defined(AGENTSPEC_VNNI)
-#error "build with -DAGENTSPEC_WIDTH=512|256 -DAGENTSPEC_VNNI=0|1 (blocks.py: LEVELS)"
+#error "build with -DAGENTSPEC_WIDTH=512|256|128 -DAGENTSPEC_VNNI=0|1 (blocks.py: LEVELS)"
 #endif
 #if AGENTSPEC_WIDTH == 512 && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__))
 #error "AGENTSPEC_WIDTH=512 needs AVX512F, BW, DQ and VL (-march=x86-64-v4)"
@@ -37,11 +43,15 @@
 #if AGENTSPEC_WIDTH == 256 && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #error "AGENTSPEC_WIDTH=256 needs AVX2, FMA and F16C (-march=x86-64-v3)"
 #endif
-#if AGENTSPEC_VNNI && !(defined(__AVX512VNNI__) || defined(__AVXVNNI__))
+#if AGENTSPEC_WIDTH == 128 && !(defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD) && AGENTSPEC_VNNI)
+#error "AGENTSPEC_WIDTH=128 is ARM NEON with the dot product (-march=armv8.2-a+dotprod, AGENTSPEC_VNNI=1)"
+#endif
+#if AGENTSPEC_VNNI && AGENTSPEC_WIDTH != 128 && !(defined(__AVX512VNNI__) || defined(__AVXVNNI__))
 #error "AGENTSPEC_VNNI=1 needs AVX512-VNNI or AVX-VNNI"
 #endif
 
 #define UNROLL _Pragma("GCC unroll 16")
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3) /* for reading, into every cache level */
 #define INLINE static inline __attribute__((always_inline))
 
 /* ==== Primitives, per level =======================================================================
@@ -67,6 +77,8 @@ INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }  
 INLINE v16 v16_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
 INLINE v16 v16_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE v16 v16_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, n integral in [-126, 128] */
+/* rounded to integers (nearest, ties to even: the default rounding mode) */
+INLINE void v16_round_to_int(v16 a, int32_t out[16]) { _mm512_storeu_si512(out, _mm512_cvtps_epi32(a)); }
 INLINE float v16_top(v16 a) { return _mm512_reduce_max_ps(a); }
 /* 16 float16 values, converted exactly; rounded to nearest-even the other way (as torch rounds) */
 INLINE v16 v16_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -129,7 +141,7 @@ INLINE vi vi_madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }  /* lane: a.
 INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); } /* lane: acc + 4 unsigned x signed bytes, exact */
 #endif
 
-#else /* AGENTSPEC_WIDTH == 256: two ymm for 16 lanes, lanes 0..7 and 8..15, each taking the zmm's operations */
+#elif AGENTSPEC_WIDTH == 256 /* two ymm for 16 lanes, lanes 0..7 and 8..15, each taking the zmm's operations */
 #define LANES 8
 typedef struct { __m256 lo, hi; } v16;
 typedef __m256 vf;
@@ -158,6 +170,10 @@ INLINE __m256 scale2(__m256 p, __m256 n) {
     return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(k, half)));
 }
 INLINE v16 v16_scale2(v16 p, v16 n) { return (v16){scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+INLINE void v16_round_to_int(v16 a, int32_t out[16]) {
+    _mm256_storeu_si256((__m256i *)out, _mm256_cvtps_epi32(a.lo));
+    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_cvtps_epi32(a.hi));
+}
 INLINE float v16_top(v16 a) {
     const __m256 t = _mm256_max_ps(a.lo, a.hi);
     const __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
@@ -248,11 +264,130 @@ INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s
 INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s); } /* the same instruction, EVEX (AVX512-VNNI + VL) */
 #endif
 #endif
+#else /* AGENTSPEC_WIDTH == 128: ARM NEON, four q registers for 16 lanes (the zmm's 128-bit lanes), each taking its operations */
+#define LANES 4
+#define SIGNED_DOT 1 /* sdot multiplies signed by signed bytes: Q8_0's codes are used as the file stores them */
+typedef struct { float32x4_t q[4]; } v16;
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+
+INLINE v16 v16_zero(void) { return (v16){{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
+INLINE v16 v16_set1(float a) { return (v16){{vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(a)}}; }
+INLINE v16 v16_load(const float *p) { return (v16){{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+INLINE void v16_store(float *p, v16 a) { for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, a.q[i]); }
+#define V16_BINARY(NAME, OP) INLINE v16 NAME(v16 a, v16 b) { v16 c; for (int i = 0; i < 4; i++) c.q[i] = OP(a.q[i], b.q[i]); return c; }
+V16_BINARY(v16_add, vaddq_f32)
+V16_BINARY(v16_sub, vsubq_f32)
+V16_BINARY(v16_mul, vmulq_f32)
+V16_BINARY(v16_div, vdivq_f32)
+V16_BINARY(v16_max, vmaxq_f32)
+V16_BINARY(v16_min, vminq_f32)
+INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { for (int i = 0; i < 4; i++) c.q[i] = vfmaq_f32(c.q[i], a.q[i], b.q[i]); return c; }
+INLINE v16 v16_fnmadd(v16 a, v16 b, v16 c) { for (int i = 0; i < 4; i++) c.q[i] = vfmsq_f32(c.q[i], a.q[i], b.q[i]); return c; }
+INLINE v16 v16_round(v16 a) { for (int i = 0; i < 4; i++) a.q[i] = vrndnq_f32(a.q[i]); return a; }
+/* p * 2^n as vscalefps computes it, for n integral in [-126, 128] (as the AVX2 level: two exact powers of two) */
+INLINE float32x4_t pow2(int32x4_t k) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k, vdupq_n_s32(127)), 23)); }
+INLINE v16 v16_scale2(v16 p, v16 n) {
+    for (int i = 0; i < 4; i++) {
+        const int32x4_t k = vcvtnq_s32_f32(n.q[i]), half = vshrq_n_s32(k, 1);
+        p.q[i] = vmulq_f32(vmulq_f32(p.q[i], pow2(half)), pow2(vsubq_s32(k, half)));
+    }
+    return p;
+}
+INLINE void v16_round_to_int(v16 a, int32_t out[16]) { for (int i = 0; i < 4; i++) vst1q_s32(out + 4 * i, vcvtnq_s32_f32(a.q[i])); }
+INLINE float v16_top(v16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.q[0], a.q[1]), vmaxq_f32(a.q[2], a.q[3]))); }
+INLINE v16 v16_load_half(const uint16_t *p) {
+    v16 a;
+    for (int i = 0; i < 4; i++) a.q[i] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i)));
+    return a;
+}
+INLINE void v16_store_half(uint16_t *p, v16 a) { for (int i = 0; i < 4; i++) vst1_u16(p + 4 * i, vreinterpret_u16_f16(vcvt_f16_f32(a.q[i]))); }
+INLINE v16 v16_widen(uint16x8_t lo, uint16x8_t hi) {
+    return (v16){{vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(lo))), vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))),
+                  vcvtq_f32_u32(vmovl_u16(vget_high_u16(hi)))}};
+}
+INLINE v16 v16_from_u8(const uint8_t *p) { const uint8x16_t q = vld1q_u8(p); return v16_widen(vmovl_u8(vget_low_u8(q)), vmovl_u8(vget_high_u8(q))); }
+INLINE v16 v16_from_i8(const int8_t *p) {
+    const int8x16_t q = vld1q_s8(p);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_s8(vget_high_s8(q));
+    return (v16){{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                  vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
+}
+INLINE v16 v16_load_first(const float *p, int n, float fill) {
+    float lanes[16];
+    for (int i = 0; i < 16; i++) lanes[i] = i < n ? p[i] : fill;
+    return v16_load(lanes);
+}
+INLINE void v16_store_first(float *p, v16 a, int n) {
+    float lanes[16];
+    v16_store(lanes, a);
+    memcpy(p, lanes, sizeof(float) * (n < 16 ? n : 16));
+}
+INLINE v16 v16_keep_first(v16 a, int n) {
+    for (int i = 0; i < 4; i++) {
+        const uint32x4_t index = vaddq_u32(vdupq_n_u32(4 * i), (uint32x4_t){0, 1, 2, 3});
+        a.q[i] = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(a.q[i]), vcltq_u32(index, vdupq_n_u32((uint32_t)n))));
+    }
+    return a;
+}
+/* The zmm's tree: (L0 + L2, L1 + L3), then their sum, then (0 + 2) + (1 + 3). */
+INLINE float v16_sum(v16 a) {
+    const float32x4_t u = vaddq_f32(vaddq_f32(a.q[3], a.q[1]), vaddq_f32(a.q[2], a.q[0]));
+    const float32x4_t v = vaddq_f32(u, vextq_f32(u, u, 2));
+    return vgetq_lane_f32(v, 0) + vgetq_lane_f32(v, 1);
+}
+INLINE void q4_1_weights(const uint8_t *codes, float d, float m, v16 *low, v16 *high) {
+    const uint8x16_t q = vld1q_u8(codes), lo = vandq_u8(q, vdupq_n_u8(15)), hi = vshrq_n_u8(q, 4);
+    const v16 dd = v16_set1(d), mm = v16_set1(m);
+    *low = v16_add(v16_mul(v16_widen(vmovl_u8(vget_low_u8(lo)), vmovl_u8(vget_high_u8(lo))), dd), mm);
+    *high = v16_add(v16_mul(v16_widen(vmovl_u8(vget_low_u8(hi)), vmovl_u8(vget_high_u8(hi))), dd), mm);
+}
+/* The zmm's tree: within 128-bit lanes (0 + 2) + (1 + 3), then across them (L0 + L1) + (L2 + L3). */
+INLINE v16 v16_sums(const v16 a[16]) {
+    v16 b[8], c[4], out;
+    for (int i = 0; i < 8; i++)
+        for (int l = 0; l < 4; l++) b[i].q[l] = vaddq_f32(vzip1q_f32(a[2 * i].q[l], a[2 * i + 1].q[l]), vzip2q_f32(a[2 * i].q[l], a[2 * i + 1].q[l]));
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 4; l++)
+            c[i].q[l] = vaddq_f32(vcombine_f32(vget_low_f32(b[2 * i].q[l]), vget_low_f32(b[2 * i + 1].q[l])),
+                                  vcombine_f32(vget_high_f32(b[2 * i].q[l]), vget_high_f32(b[2 * i + 1].q[l])));
+    for (int i = 0; i < 4; i++) out.q[i] = vaddq_f32(vaddq_f32(c[i].q[0], c[i].q[1]), vaddq_f32(c[i].q[2], c[i].q[3]));
+    return out;
+}
+
+INLINE vf vf_zero(void) { return vdupq_n_f32(0.0f); }
+INLINE vf vf_set1(float a) { return vdupq_n_f32(a); }
+INLINE vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
+INLINE vf vf_fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+INLINE vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
+INLINE vf vf_load_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+INLINE void vf_store_first(float *p, vf a, int n) {
+    float lanes[4];
+    vst1q_f32(lanes, a);
+    memcpy(p, lanes, sizeof(float) * (n < 4 ? n : 4));
+}
+INLINE vi vi_zero(void) { return vdupq_n_s32(0); }
+INLINE vi vi_load(const void *p) { return vld1q_s32((const int32_t *)p); }
+INLINE vi vi_set1(int32_t a) { return vdupq_n_s32(a); }
+INLINE vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return vsubq_s32(a, b); }
+INLINE vi vi_shl(vi a, int n) { return vshlq_s32(a, vdupq_n_s32(n)); }
+INLINE vi vi_and16(vi a, int16_t mask) { return vreinterpretq_s32_s16(vandq_s16(vreinterpretq_s16_s32(a), vdupq_n_s16(mask))); }
+INLINE vi vi_shr16(vi a, int n) { return vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(a), vdupq_n_s16((int16_t)-n))); }
+INLINE vi vi_flip_bytes(vi a) { return vreinterpretq_s32_u8(veorq_u8(vreinterpretq_u8_s32(a), vdupq_n_u8(0x80))); } /* code + 128 -> code */
+INLINE vi vi_dot4(vi acc, vi u, vi s) { return vdotq_s32(acc, vreinterpretq_s8_s32(u), vreinterpretq_s8_s32(s)); } /* lane: acc + 4 signed x signed bytes, exact */
+#endif
+#ifndef SIGNED_DOT
+#define SIGNED_DOT 0 /* vpdpbusd: unsigned codes (Q8_0's + 128) by signed activations */
 #endif
 
 INLINE v16 v16_abs(v16 a) { return v16_max(a, v16_sub(v16_zero(), a)); }
 
-/* Whether this CPU runs what this library was built for (compiled for any x86-64, so safe to call). */
+/* Whether this CPU runs what this library was built for (compiled for any CPU of its architecture, so
+   safe to call). */
+#if defined(__aarch64__)
+int agentspec_cpu_runs_this(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
+#else
 __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
     __builtin_cpu_init();
     int ok = AGENTSPEC_WIDTH == 512 ? __builtin_cpu_supports("x86-64-v4") : __builtin_cpu_supports("x86-64-v3");
@@ -264,6 +399,7 @@ __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
 #endif
     return ok != 0;
 }
+#endif
 
 const int agentspec_lanes = LANES; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */
 const int agentspec_width = AGENTSPEC_WIDTH;
@@ -324,7 +460,7 @@ INLINE int group_of(int rows) { return rows <= 2 ? FEW : MANY; }
                 const int o = n + (t < nt ? t : 0), lane = o % G;                                  \
                 const uint8_t *at = (G == FEW ? few : many) + ((size_t)(o / G) * nb + b) * (BYTES); \
                 if (rows <= 2 && t == 0)                                                           \
-                    for (int line = 0; line < (BYTES); line += 64) _mm_prefetch((const char *)(at + AHEAD * (BYTES) + line), _MM_HINT_T0); \
+                    for (int line = 0; line < (BYTES); line += 64) PREFETCH(at + AHEAD * (BYTES) + line); \
                 __VA_ARGS__                                                                        \
             }                                                                                      \
         }                                                                                          \
@@ -430,24 +566,14 @@ typedef struct {
     int M;
 } agentspec_q8_rows;
 
-/* 16 rows' values rounded to integers (nearest, ties to even: the default rounding mode), as int32 */
-#if AGENTSPEC_WIDTH == 512
-INLINE void round_to_int(v16 a, int32_t out[16]) { _mm512_storeu_si512(out, _mm512_cvtps_epi32(a)); }
-#else
-INLINE void round_to_int(v16 a, int32_t out[16]) {
-    _mm256_storeu_si256((__m256i *)out, _mm256_cvtps_epi32(a.lo));
-    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_cvtps_epi32(a.hi));
-}
-#endif
-
 /* One block of 32 inputs of a row: a = round(x * inverse) into the level's codes; returns sum(a). One
    plane: a = round(x / d), d = max|x| / 127. Two planes (VNNI): a = round(x / d), d = max|x| / 32639,
    as 256 * high + low with high = floor((a + 128) / 256) and low = a - 256 * high, both in
    [-128, 127]: a dot product with them is 256 * (the high plane's) + (the low plane's), exactly. */
 INLINE int32_t quantise_block(const float *xb, float inverse, const int planes, uint8_t *codes) {
     int32_t a[32];
-    round_to_int(v16_mul(v16_load(xb), v16_set1(inverse)), a);
-    round_to_int(v16_mul(v16_load(xb + 16), v16_set1(inverse)), a + 16);
+    v16_round_to_int(v16_mul(v16_load(xb), v16_set1(inverse)), a);
+    v16_round_to_int(v16_mul(v16_load(xb + 16), v16_set1(inverse)), a + 16);
     int32_t sum = 0;
     for (int i = 0; i < 32; i++) sum += a[i];
 #if AGENTSPEC_VNNI
@@ -496,7 +622,7 @@ INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
         const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
-        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(at + AHEAD * bytes + line), _MM_HINT_T0);
+        for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
         vi part[ROWS8][2];
         UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
@@ -509,7 +635,11 @@ INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *
             const vi raw = vi_load(at + REGISTER * (q8_0 ? j : j % 4));
             const int shift = q8_0 || j < 4 ? 0 : 4; /* Q4_1: low nibbles, then high ones */
 #if AGENTSPEC_VNNI
+#if SIGNED_DOT
+            const vi u = q8_0 ? vi_flip_bytes(raw) : vi_and16(vi_shr16(raw, shift), 0x0F0F);
+#else
             const vi u = q8_0 ? raw : vi_and16(vi_shr16(raw, shift), 0x0F0F);
+#endif
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
                     const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
@@ -538,7 +668,7 @@ INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *
             if (r < rows) {
                 const size_t rb = rows_at + r;
                 vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
-                if (q8_0) dot = vi_sub(dot, vi_set1(128 * q->sum[rb]));
+                if (q8_0 && !SIGNED_DOT) dot = vi_sub(dot, vi_set1(128 * q->sum[rb])); /* the codes' + 128 */
                 acc[r] = vf_fmadd(vf_from_vi(dot), vf_mul(d, vf_set1(q->scale[rb])), acc[r]);
                 if (!q8_0) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
             }

@@ -55,7 +55,7 @@ from .packed import Segment
 
 __all__ = [
     "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
-    "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels",
+    "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels", "kernel_flags",
 ]
 
 log = logging.getLogger("agentspec.engine")
@@ -85,9 +85,10 @@ class Level:
     vector width and integer dot product as macros. Every level computes the same bits."""
 
     name: str
-    width: int  # AGENTSPEC_WIDTH: 512 (AVX-512) or 256 (AVX2, FMA, F16C)
-    vnni: bool  # AGENTSPEC_VNNI: integer products with vpdpbusd (else vpmaddwd)
-    needs: tuple[str, ...]  # /proc/cpuinfo flags the level needs
+    arch: str  # platform.machine() of the CPUs it is for
+    width: int  # AGENTSPEC_WIDTH: 512 (AVX-512), 256 (AVX2, FMA, F16C) or 128 (NEON)
+    vnni: bool  # AGENTSPEC_VNNI: integer products with byte dot products (vpdpbusd, sdot; else vpmaddwd)
+    needs: tuple[str, ...]  # /proc/cpuinfo flags (x86) or features (ARM) the level needs
     # compiler flags, the first whose needs this CPU has (AVX-VNNI's vpdpbusd on ymm is also an
     # AVX512-VNNI + VL instruction: a CPU with those runs the same code, EVEX-encoded)
     variants: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
@@ -95,15 +96,18 @@ class Level:
 
 _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 _V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-# Fastest first. AGENTSPEC_ISA=<name> caps the level at <name> (tests build every level a CPU runs).
+# Fastest first, per architecture. AGENTSPEC_ISA=<name> caps the level at <name> (tests build every
+# level a CPU runs). NEON is built and checked under qemu-user here (tests/kernels_check.c); its speed
+# is unmeasured until someone runs it on an ARM CPU.
 LEVELS: tuple[Level, ...] = (
-    Level("avx512-vnni", 512, True, (*_V4, "avx512_vnni"), ((("-march=x86-64-v4", "-mavx512vnni"), ()),)),
-    Level("avx512", 512, False, _V4, ((("-march=x86-64-v4",), ()),)),
+    Level("avx512-vnni", "x86_64", 512, True, (*_V4, "avx512_vnni"), ((("-march=x86-64-v4", "-mavx512vnni"), ()),)),
+    Level("avx512", "x86_64", 512, False, _V4, ((("-march=x86-64-v4",), ()),)),
     Level(
-        "avx2-vnni", 256, True, _V3,
+        "avx2-vnni", "x86_64", 256, True, _V3,
         ((("-march=x86-64-v3", "-mavxvnni"), ("avx_vnni",)), (("-march=x86-64-v3", "-mavx512vnni", "-mavx512vl"), ("avx512_vnni", "avx512vl"))),
     ),
-    Level("avx2", 256, False, _V3, ((("-march=x86-64-v3",), ()),)),
+    Level("avx2", "x86_64", 256, False, _V3, ((("-march=x86-64-v3",), ()),)),
+    Level("neon-dotprod", "aarch64", 128, True, ("asimddp",), ((("-march=armv8.2-a+dotprod",), ()),)),
 )
 LEVEL_NAMES = tuple(level.name for level in LEVELS)
 ISA_VARIABLE = "AGENTSPEC_ISA"
@@ -132,13 +136,30 @@ class _SegmentArg(ctypes.Structure):
 
 @functools.cache
 def _cpu_flags() -> frozenset[str] | None:
-    """This CPU's flags as Linux lists them (None where there is no /proc/cpuinfo: the built library
-    is asked instead)."""
+    """This CPU's flags (x86) or features (ARM) as Linux lists them (None where there is no
+    /proc/cpuinfo: the built library is asked instead)."""
     info = Path("/proc/cpuinfo")
     if not info.exists():
         return None
-    line = next((line for line in info.read_text().splitlines() if line.startswith("flags")), "")
+    line = next((line for line in info.read_text().splitlines() if line.startswith(("flags", "Features"))), "")
     return frozenset(line.partition(":")[2].split())
+
+
+def _machine() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def kernel_flags(isa: str, native: bool = True) -> tuple[str, ...]:
+    """The compiler flags ``blocks.c`` is built with for level ``isa``: for this CPU (``native``: its
+    tuning, and the variant of the level it runs), or for another machine of the level's
+    architecture (a cross compiler's build, as tests/test_blocks.py makes of NEON)."""
+    level = LEVELS[LEVEL_NAMES.index(isa)]
+    variant = _variant(level) if native else level.variants[0][0]
+    if isinstance(variant, str):
+        raise NotImplementedError(variant)
+    flags = FLAGS if native else tuple(f for f in FLAGS if f != "-mtune=native")
+    return (*flags, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}")
 
 
 def _variant(level: Level) -> tuple[str, ...] | str:
@@ -156,9 +177,9 @@ def _variant(level: Level) -> tuple[str, ...] | str:
 @functools.cache
 def _build(name: str) -> ctypes.CDLL | str:
     """The kernels built for level ``name``, or why there are none here."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the GGUF block kernels are x86-64 (AVX2 or AVX-512); this machine is {platform.machine()}"
     level = LEVELS[LEVEL_NAMES.index(name)]
+    if level.arch != _machine():
+        return f"{name}: the kernels of {level.arch} CPUs; this machine is {platform.machine()}"
     variant = _variant(level)
     if isinstance(variant, str):
         return f"{name}: {variant}"
@@ -170,7 +191,7 @@ def _build(name: str) -> ctypes.CDLL | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the C compiler {compiler!r} does not run ({exc})"
-    flags = (*FLAGS, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}")
+    flags = kernel_flags(name)
     cpu = " ".join(sorted(_cpu_flags() or ()))
     key = hashlib.sha256(b"|".join([source, " ".join(flags).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
     folder = cache_dir("kernels")
@@ -220,12 +241,16 @@ def _kernels(isa: str | None = None) -> ctypes.CDLL | str:
         return f"{ISA_VARIABLE}={cap!r} is not a level; use one of {', '.join(LEVEL_NAMES)}"
     reasons = []
     for name in LEVEL_NAMES[LEVEL_NAMES.index(cap) :]:
+        if LEVELS[LEVEL_NAMES.index(name)].arch != _machine():
+            continue
         kernels = _build(name)
         if not isinstance(kernels, str):
             return kernels
         reasons.append(kernels)
         if not kernels.startswith(f"{name}: "):  # not about this level: no level builds here
             return kernels
+    if not reasons:
+        return f"the GGUF block kernels are for x86-64 (AVX2, AVX-512) and ARM (NEON with dotprod); this machine is {platform.machine()}"
     return "no instruction-set level of the GGUF block kernels runs here (" + "; ".join(reasons) + ")"
 
 

@@ -1,0 +1,267 @@
+/* A check of agentspec/engine/blocks.c on one instruction-set level, linked with it, with no Python:
+   how the kernels are tested where only an emulator runs them (ARM NEON under qemu-user on an x86
+   machine: tests/test_blocks.py builds this for every level and compares what each prints).
+
+   For Q4_1 and Q8_0 blocks (random codes, scales that are float16 values) times float32, 8-bit and
+   16-bit rows it checks that a product is row- and thread-invariant (a row alone, among 16, in a
+   subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
+   dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
+   decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
+   one alone (the same bits), then a second pass over the cache. It prints one hash of every result's
+   bits per case: every level must print the same lines. Exit status 1 on a failed check. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const int agentspec_lanes;
+void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+
+/* blocks.c's structs */
+typedef struct { int kind; const void *few, *many; } blocks_arg;
+typedef struct { const float *norm1, *norm2; float eps1, eps2; blocks_arg qkv, o, gate_up, down; } layer_arg;
+typedef struct { int start, stop, past, capacity; void *kv; } segment_arg;
+void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
+                            const float *cos, const float *sin, float scaling, const segment_arg *segments, int nseg, int kv_half, int threads);
+
+static int failures = 0;
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            failures++;                                                                            \
+            printf("FAILED: " __VA_ARGS__);                                                        \
+            printf("\n");                                                                          \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t state = 0x9E3779B97F4A7C15u;
+static uint32_t next(void) { /* xorshift64 */
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return (uint32_t)(state >> 32);
+}
+static float uniform(void) { return (float)(next() >> 8) / 8388608.0f - 1.0f; } /* [-1, 1), exact */
+
+static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) { /* FNV-1a */
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001B3u;
+    return h;
+}
+
+static uint16_t half_bits(float x) { /* x is a float16 value */
+    _Float16 h = (_Float16)x;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+typedef struct {
+    int q8_0, N, K;
+    uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32 (Q8_0)], as the file stores them */
+    float *d, *m;   /* [N, K / 32], float16 values */
+} blocks;
+
+static blocks make_blocks(int q8_0, int N, int K) {
+    const int nb = K / 32, bytes = q8_0 ? 32 : 16;
+    blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb), malloc(sizeof(float) * N * nb)};
+    for (size_t i = 0; i < (size_t)N * nb * bytes; i++) b.codes[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)N * nb; i++) {
+        b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
+        b.m[i] = q8_0 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
+    }
+    return b;
+}
+
+static int code(const blocks *b, int n, int k) { /* weight k of output n's code */
+    const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (b->q8_0 ? 32 : 16);
+    return b->q8_0 ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
+}
+
+static float weight(const blocks *b, int n, int k) { /* as the GGUF reader rounds it: a product, then a sum */
+    const size_t at = (size_t)n * (b->K / 32) + k / 32;
+    const float product = b->d[at] * (float)code(b, n, k);
+    return b->q8_0 ? product : product + b->m[at];
+}
+
+/* Blocks.grouped(G): per group of G outputs, per block, the G outputs' codes, scales, minimums (float32) */
+static uint8_t *grouped(const blocks *b, int G) {
+    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + G - 1) / G, per = G * (bytes + (b->q8_0 ? 4 : 8));
+    uint8_t *out = calloc((size_t)groups * nb * per, 1);
+    for (int n = 0; n < b->N; n++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *at = out + ((size_t)(n / G) * nb + k) * per;
+            const size_t src = (size_t)n * nb + k;
+            memcpy(at + (n % G) * bytes, b->codes + src * bytes, bytes);
+            memcpy(at + G * bytes + (n % G) * 4, b->d + src, 4);
+            if (!b->q8_0) memcpy(at + G * (bytes + 4) + (n % G) * 4, b->m + src, 4);
+        }
+    return out;
+}
+
+/* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
+   codes 4j..4j+3 as the file packs them; Q8_0's + 128), then the scales (and minimums) as float16 */
+static uint8_t *by_lanes(const blocks *b, int L) {
+    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + L - 1) / L, per = L * bytes + L * (b->q8_0 ? 2 : 4);
+    uint8_t *out = calloc((size_t)groups * nb * per, 1);
+    for (int n = 0; n < b->N; n++)
+        for (int k = 0; k < nb; k++) {
+            uint8_t *at = out + ((size_t)(n / L) * nb + k) * per;
+            const size_t src = (size_t)n * nb + k;
+            for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = (uint8_t)(b->codes[src * bytes + i] + (b->q8_0 ? 128 : 0));
+            const uint16_t d = half_bits(b->d[src]), m = half_bits(b->m[src]);
+            memcpy(at + L * bytes + (n % L) * 2, &d, 2);
+            if (!b->q8_0) memcpy(at + L * bytes + L * 2 + (n % L) * 2, &m, 2);
+        }
+    return out;
+}
+
+typedef struct {
+    const blocks *b;
+    int activations; /* 0: float32 rows; 1: 8 bits; 2: 16 bits */
+    uint8_t *few, *many;
+} product;
+
+static product make_product(const blocks *b, int activations) {
+    product p = {b, activations, NULL, NULL};
+    if (activations == 0) p.few = grouped(b, 8), p.many = grouped(b, 4);
+    else p.few = by_lanes(b, agentspec_lanes);
+    return p;
+}
+
+static void run(const product *p, const float *x, int M, float *y, int threads) {
+    const blocks *b = p->b;
+    switch (p->activations * 2 + b->q8_0) {
+    case 0: agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+    case 1: agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+    case 2: agentspec_q4_1_q8_product(x, M, b->K, p->few, y, b->N, threads); break;
+    case 3: agentspec_q8_0_q8_product(x, M, b->K, p->few, y, b->N, threads); break;
+    case 4: agentspec_q4_1_q16_product(x, M, b->K, p->few, y, b->N, threads); break;
+    default: agentspec_q8_0_q16_product(x, M, b->K, p->few, y, b->N, threads); break;
+    }
+}
+
+/* What the product computes, in float64: float32 rows times the dequantised weights; integer rows
+   quantised per block (scale max|x| / top, codes rounded to nearest even), exact integer dot products */
+static double reference(const blocks *b, int activations, const float *x, int n) {
+    const int nb = b->K / 32;
+    double sum = 0.0;
+    for (int k0 = 0; k0 < nb; k0++) {
+        const float *xb = x + k0 * 32;
+        if (activations == 0) {
+            for (int i = 0; i < 32; i++) sum += (double)xb[i] * (double)weight(b, n, k0 * 32 + i);
+            continue;
+        }
+        const float top_code = activations == 1 ? 127.0f : 32639.0f;
+        float top = 0.0f;
+        for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(xb[i]));
+        const float inverse = top > 0.0f ? top_code / top : 0.0f, d_a = top / top_code;
+        int64_t dot = 0, codes = 0;
+        for (int i = 0; i < 32; i++) {
+            const int64_t a = (int64_t)nearbyintf(xb[i] * inverse);
+            dot += a * code(b, n, k0 * 32 + i), codes += a;
+        }
+        const size_t at = (size_t)n * nb + k0;
+        sum += (double)b->d[at] * d_a * (double)dot + (double)b->m[at] * ((double)d_a * (double)codes);
+    }
+    return sum;
+}
+
+static uint64_t check_product(int q8_0, int activations) {
+    const int M = 16, K = 256, N = 37; /* 37 outputs: a last group of every width partly empty */
+    blocks b = make_blocks(q8_0, N, K);
+    product p = make_product(&b, activations);
+    float *x = malloc(sizeof(float) * M * K), *all = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
+    for (int i = 0; i < M * K; i++) x[i] = uniform();
+    memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
+    run(&p, x, M, all, 2);
+    const char *name = q8_0 ? "Q8_0" : "Q4_1";
+    for (int r = 0; r < M; r++) {
+        run(&p, x + (size_t)r * K, 1, part, 2);
+        CHECK(memcmp(part, all + (size_t)r * N, sizeof(float) * N) == 0, "%s x %d-bit rows: row %d alone differs", name, 8 * activations, r);
+    }
+    run(&p, x + 7 * K, 9, part, 2); /* a tile of 8 and a remainder of 1, from row 7 */
+    CHECK(memcmp(part, all + 7 * N, sizeof(float) * 9 * N) == 0, "%s x %d-bit rows: rows 7..15 differ", name, 8 * activations);
+    run(&p, x, M, part, 1);
+    CHECK(memcmp(part, all, sizeof(float) * M * N) == 0, "%s x %d-bit rows: one thread differs from two", name, 8 * activations);
+    double worst = 0.0;
+    for (int r = 0; r < M; r++)
+        for (int n = 0; n < N; n++) {
+            const double want = reference(&b, activations, x + (size_t)r * K, n);
+            worst = fmax(worst, fabs(all[(size_t)r * N + n] - want) / (1.0 + fabs(want)));
+        }
+    CHECK(worst < 1e-5, "%s x %d-bit rows: %.3g from the reference", name, 8 * activations, worst);
+    const uint64_t h = hash_bytes(0xCBF29CE484222325u, all, sizeof(float) * M * N);
+    free(x), free(all), free(part), free(p.few), free(p.many), free(b.codes), free(b.d), free(b.m);
+    return h;
+}
+
+/* The decoder layers of a tiny random model: 2 layers, hidden 64, 4 query heads and 2 key/value heads
+   of 16, MLP 96; products on Q4_1 blocks (the down product on Q8_0) times float32 or 16-bit rows. */
+enum { LAYERS = 2, H = 64, HEADS = 4, KV_HEADS = 2, HEAD_DIM = 16, MLP = 96, CAPACITY = 16 };
+
+static uint64_t check_layers(int activations, int kv_half) {
+    static blocks weights[LAYERS][4];
+    static float norms[LAYERS][2][H];
+    layer_arg layers[LAYERS];
+    const int shapes[4][3] = {{0, (HEADS + 2 * KV_HEADS) * HEAD_DIM, H}, {0, H, HEADS * HEAD_DIM}, {0, 2 * MLP, H}, {1, H, MLP}}; /* q8_0, N, K */
+    product products[LAYERS][4];
+    for (int l = 0; l < LAYERS; l++) {
+        for (int i = 0; i < 4; i++) {
+            weights[l][i] = make_blocks(shapes[i][0], shapes[i][1], shapes[i][2]);
+            products[l][i] = make_product(&weights[l][i], activations);
+        }
+        for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
+        blocks_arg args[4];
+        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 2 * activations, products[l][i].few, products[l][i].many};
+        layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3]};
+    }
+    const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
+    void *kv_a = calloc(kv_bytes, 1), *kv_b = calloc(kv_bytes, 1), *kv_alone = calloc(kv_bytes, 1);
+    float cos_[8 * HEAD_DIM], sin_[8 * HEAD_DIM], hidden[8 * H], alone[5 * H];
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < HEAD_DIM; i++) cos_[t * HEAD_DIM + i] = cosf(0.3f * t * (i % 8 + 1)), sin_[t * HEAD_DIM + i] = sinf(0.3f * t * (i % 8 + 1));
+    for (int i = 0; i < 8 * H; i++) hidden[i] = uniform();
+    memcpy(alone, hidden, sizeof(alone));
+    /* one pass: sequence a's 5 tokens and sequence b's 3 (positions 0..4 and 0..2) */
+    float cos8[8 * HEAD_DIM], sin8[8 * HEAD_DIM];
+    for (int t = 0; t < 8; t++) {
+        const int position = t < 5 ? t : t - 5;
+        memcpy(cos8 + t * HEAD_DIM, cos_ + position * HEAD_DIM, sizeof(float) * HEAD_DIM);
+        memcpy(sin8 + t * HEAD_DIM, sin_ + position * HEAD_DIM, sizeof(float) * HEAD_DIM);
+    }
+    const float scaling = 0.25f; /* 1 / sqrt(16) */
+    segment_arg both[2] = {{0, 5, 0, CAPACITY, kv_a}, {5, 8, 0, CAPACITY, kv_b}}, one[1] = {{0, 5, 0, CAPACITY, kv_alone}};
+    agentspec_llama_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, scaling, both, 2, kv_half, 2);
+    agentspec_llama_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, scaling, one, 1, kv_half, 1);
+    CHECK(memcmp(alone, hidden, sizeof(alone)) == 0, "layers (%d-bit rows, %s cache): a sequence alone differs", 16 * (activations > 0), kv_half ? "float16" : "float32");
+    CHECK(memcmp(kv_alone, kv_a, kv_bytes) == 0, "layers: a sequence's keys and values alone differ");
+    uint64_t h = hash_bytes(0xCBF29CE484222325u, hidden, sizeof(hidden));
+    /* a second pass: 2 more tokens of sequence a over its 5 */
+    float more[2 * H];
+    for (int i = 0; i < 2 * H; i++) more[i] = uniform();
+    segment_arg again[1] = {{0, 2, 5, CAPACITY, kv_a}};
+    agentspec_llama_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, scaling, again, 1, kv_half, 2);
+    for (int i = 0; i < 2 * H; i++) CHECK(isfinite(more[i]), "layers: a second pass gave %g", more[i]);
+    h = hash_bytes(h, more, sizeof(more));
+    h = hash_bytes(h, kv_a, kv_bytes);
+    for (int l = 0; l < LAYERS; l++)
+        for (int i = 0; i < 4; i++) free(products[l][i].few), free(products[l][i].many), free(weights[l][i].codes), free(weights[l][i].d), free(weights[l][i].m);
+    free(kv_a), free(kv_b), free(kv_alone);
+    return h;
+}
+
+int main(void) {
+    const char *kinds[2] = {"Q4_1", "Q8_0"}, *rows[3] = {"float32", "q8", "q16"};
+    for (int activations = 0; activations < 3; activations++)
+        for (int q8_0 = 0; q8_0 < 2; q8_0++) printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
+    for (int activations = 0; activations < 3; activations += 2)
+        for (int kv_half = 0; kv_half < 2; kv_half++)
+            printf("layers %s %s-cache %016llx\n", rows[activations], kv_half ? "float16" : "float32", (unsigned long long)check_layers(activations, kv_half));
+    printf("%s\n", failures ? "FAILED" : "ok");
+    return failures != 0;
+}
