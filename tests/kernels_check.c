@@ -3,7 +3,7 @@
    machine: tests/test_blocks.py builds this for every level and compares what each prints).
 
    For Q4_1 and Q8_0 blocks (random codes, scales that are float16 values) times float32, 8-bit and
-   16-bit rows it checks that a product is row- and thread-invariant (a row alone, among 16, in a
+   16-bit rows, and Q8_16 blocks (a scale per 16 weights) times float32 rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
    subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
    dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
    decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
@@ -19,6 +19,7 @@
 extern const int agentspec_lanes;
 void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
@@ -61,19 +62,17 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 }
 
 typedef struct {
-    int q8_0, N, K;
+    int q8_0, N, K; /* q8_0: 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 0 for Q4_1 */
     uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32 (Q8_0)], as the file stores them */
-    float *d, *m;   /* [N, K / 32], float16 values */
+    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values */
 } blocks;
 
 static blocks make_blocks(int q8_0, int N, int K) {
     const int nb = K / 32, bytes = q8_0 ? 32 : 16;
-    blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb), malloc(sizeof(float) * N * nb)};
+    blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
     for (size_t i = 0; i < (size_t)N * nb * bytes; i++) b.codes[i] = (uint8_t)next();
-    for (size_t i = 0; i < (size_t)N * nb; i++) {
-        b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
-        b.m[i] = q8_0 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
-    }
+    for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
+    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
     return b;
 }
 
@@ -84,20 +83,21 @@ static int code(const blocks *b, int n, int k) { /* weight k of output n's code 
 
 static float weight(const blocks *b, int n, int k) { /* as the GGUF reader rounds it: a product, then a sum */
     const size_t at = (size_t)n * (b->K / 32) + k / 32;
-    const float product = b->d[at] * (float)code(b, n, k);
+    const float product = (b->q8_0 == 2 ? b->d[(size_t)n * (b->K / 16) + k / 16] : b->d[at]) * (float)code(b, n, k);
     return b->q8_0 ? product : product + b->m[at];
 }
 
 /* Blocks.grouped(G): per group of G outputs, per block, the G outputs' codes, scales, minimums (float32) */
 static uint8_t *grouped(const blocks *b, int G) {
-    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + G - 1) / G, per = G * (bytes + (b->q8_0 ? 4 : 8));
+    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + G - 1) / G, scales = b->q8_0 == 2 ? 2 : 1;
+    const int per = G * (bytes + 4 * scales + (b->q8_0 ? 0 : 4));
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
             uint8_t *at = out + ((size_t)(n / G) * nb + k) * per;
             const size_t src = (size_t)n * nb + k;
             memcpy(at + (n % G) * bytes, b->codes + src * bytes, bytes);
-            memcpy(at + G * bytes + (n % G) * 4, b->d + src, 4);
+            memcpy(at + G * bytes + (n % G) * 4 * scales, b->d + src * scales, 4 * scales);
             if (!b->q8_0) memcpy(at + G * (bytes + 4) + (n % G) * 4, b->m + src, 4);
         }
     return out;
@@ -135,6 +135,10 @@ static product make_product(const blocks *b, int activations) {
 
 static void run(const product *p, const float *x, int M, float *y, int threads) {
     const blocks *b = p->b;
+    if (b->q8_0 == 2) { /* float32 rows only */
+        agentspec_q8_16_product(x, M, b->K, p->few, p->many, y, b->N, threads);
+        return;
+    }
     switch (p->activations * 2 + b->q8_0) {
     case 0: agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
     case 1: agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
@@ -179,7 +183,7 @@ static uint64_t check_product(int q8_0, int activations) {
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
     run(&p, x, M, all, 2);
-    const char *name = q8_0 ? "Q8_0" : "Q4_1";
+    const char *name = q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
     for (int r = 0; r < M; r++) {
         run(&p, x + (size_t)r * K, 1, part, 2);
         CHECK(memcmp(part, all + (size_t)r * N, sizeof(float) * N) == 0, "%s x %d-bit rows: row %d alone differs", name, 8 * activations, r);
@@ -217,7 +221,7 @@ static uint64_t check_layers(int activations, int kv_half) {
         }
         for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
         blocks_arg args[4];
-        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 2 * activations, products[l][i].few, products[l][i].many};
+        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 3 * activations, products[l][i].few, products[l][i].many};
         layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3]};
     }
     const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
@@ -256,9 +260,10 @@ static uint64_t check_layers(int activations, int kv_half) {
 }
 
 int main(void) {
-    const char *kinds[2] = {"Q4_1", "Q8_0"}, *rows[3] = {"float32", "q8", "q16"};
+    const char *kinds[3] = {"Q4_1", "Q8_0", "Q8_16"}, *rows[3] = {"float32", "q8", "q16"};
     for (int activations = 0; activations < 3; activations++)
-        for (int q8_0 = 0; q8_0 < 2; q8_0++) printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
+        for (int q8_0 = 0; q8_0 < (activations ? 2 : 3); q8_0++) /* Q8_16: float32 rows only */
+            printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
     for (int activations = 0; activations < 3; activations += 2)
         for (int kv_half = 0; kv_half < 2; kv_half++)
             printf("layers %s %s-cache %016llx\n", rows[activations], kv_half ? "float16" : "float32", (unsigned long long)check_layers(activations, kv_half));

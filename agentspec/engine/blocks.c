@@ -4,9 +4,12 @@
    y[r, n] = sum_k x[r, k] * w[n, k] for float32 rows x, with w read from its blocks of 32 weights:
      Q4_1: w = d * q + m, q a 4-bit code (16 bytes per block; byte j holds codes j and j + 16)
      Q8_0: w = d * q, q a signed byte (32 bytes per block)
+     Q8_16: w = d * q as Q8_0, with a scale d per 16 weights (two per block)
    d and m are the blocks' scales and minimums as float32. Each w is rounded exactly as the GGUF
    reader dequantises it (a product, then a sum; -ffp-contract=off keeps them apart), so these are
-   the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes.
+   the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes. The
+   file's other types are read into these exactly (blocks.py): Q4_0 and Q5_0 as Q8_0, Q4_K as Q4_1
+   (its per-32 scale and minimum, products of the super-block's), Q6_K as Q8_16.
 
    One source, built once per instruction-set level (blocks.py: LEVELS). The level is two macros:
    AGENTSPEC_WIDTH (512: AVX-512; 256: AVX2 + FMA + F16C) and AGENTSPEC_VNNI (1: the integer products
@@ -434,6 +437,7 @@ const int agentspec_vnni = AGENTSPEC_VNNI;
 #define MANY 4  /* ... and in the layout read by products of more rows */
 #define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
 #define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
+#define Q8_16_BYTES(G) ((G) * (32 + 8)) /* codes, two scales each */
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
    latency of the multiply-adds, few enough to stay in the vector registers (32 zmm; 16 ymm, two per
@@ -495,6 +499,15 @@ INLINE void q8_0_tile(const float *x, const int rows, int K, const uint8_t *few,
     )
 }
 
+INLINE void q8_16_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many, float *y, int N, int n, int nt) {
+    TILE_BODY(Q8_16_BYTES(G),
+        const float *scales = (const float *)(at + G * 32) + 2 * lane;
+        const int8_t *codes = (const int8_t *)(at + lane * 32);
+        w0[t] = v16_mul(v16_from_i8(codes), v16_set1(scales[0]));
+        w1[t] = v16_mul(v16_from_i8(codes + 16), v16_set1(scales[1]));
+    )
+}
+
 /* Rows in chunks of MR; a chunk's outputs in tiles split over `threads` (static: a thread's share
    depends only on N and the chunk). */
 #define CHUNK(TILE, ROWS)                                                                          \
@@ -519,6 +532,10 @@ void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const
 
 void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
     PRODUCT(q8_0_tile)
+}
+
+void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    PRODUCT(q8_16_tile)
 }
 
 /* ==== Products on 8- and 16-bit activations (weights="gguf-q8", "gguf-q16") =======================
@@ -713,7 +730,7 @@ void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, flo
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
 typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0, on float32 rows; 2, 3: on 8-bit rows; 4, 5: on 16-bit rows */
+    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, on float32 rows; 3, 4: Q4_1, Q8_0 on 8-bit rows; 6, 7: on 16-bit rows */
     const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
 } agentspec_blocks;
 
@@ -772,10 +789,11 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
     switch (w->kind) {
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
-    case 2: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 3: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 4: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
-    case 5: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
+    case 2: agentspec_q8_16_product(x, M, K, w->few, w->many, y, N, threads); break;
+    case 3: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 4: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 6: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
+    case 7: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
     default: abort(); /* blocks.py: _blocks_arg */
     }
 }

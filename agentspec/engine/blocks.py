@@ -54,7 +54,7 @@ from .fused import FusedLlamaPass, Linear, LinearFactory, fused_unsupported
 from .packed import Segment
 
 __all__ = [
-    "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
+    "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "GGUF_TYPES", "tensor_blocks", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
     "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels", "kernel_flags",
 ]
 
@@ -64,7 +64,17 @@ KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
 FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
-BLOCK_TYPES = ("Q4_1", "Q8_0")
+# The kernels' blocks of 32 weights (blocks.c): Q4_1 (4-bit codes, a scale and a minimum), Q8_0
+# (signed bytes, a scale) and Q8_16 (signed bytes, a scale per 16). The integer products take the
+# first two, with float16 scales.
+BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16")
+INTEGER_TYPES = ("Q4_1", "Q8_0")
+# The GGUF types read into them, each weight exactly as the GGUF reader dequantises it: (weights per
+# block, bytes per block). Q4_0 and Q5_0 become Q8_0 (code - 8 or - 16, the block's scale); Q4_K
+# becomes Q4_1 (per 32 weights: the super-block's scale times the 6-bit scale, minus its minimum
+# times the 6-bit minimum); Q6_K becomes Q8_16 (code - 32, the super-block's scale times the 8-bit
+# scale of each 16). The rest (Q5_1, Q5_K, Q2_K, Q3_K, float tensors) take oneDNN's float32 products.
+GGUF_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
 # quantised per block of 32 to integers, multiplied by the codes with exact integer dot products: to
 # 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``: within ~0.01 of float32's logits on the
@@ -73,7 +83,7 @@ BLOCK_TYPES = ("Q4_1", "Q8_0")
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
 _SYMBOLS = {
-    ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product",
+    ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product", ("Q8_16", "float32"): "agentspec_q8_16_product",
     ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
     ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
 }
@@ -291,9 +301,9 @@ class Blocks:
     """One weight matrix [outputs, inputs] as blocks of 32 along its inputs."""
 
     kind: str  # one of BLOCK_TYPES
-    codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0: int8 [outputs, inputs / 32, 32]
-    scales: torch.Tensor  # float32 [outputs, inputs / 32]
-    mins: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_0: zeros, unused)
+    codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0, Q8_16: int8 [outputs, inputs / 32, 32]
+    scales: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_16: [outputs, inputs / 16])
+    mins: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_0, Q8_16: zeros, unused)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -304,7 +314,9 @@ class Blocks:
         if self.kind == "Q4_1":
             codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1).float()
             return (self.scales[..., None] * codes + self.mins[..., None]).reshape(self.shape)
-        return (self.scales[..., None] * self.codes.float()).reshape(self.shape)
+        outputs, blocks = self.codes.shape[:2]
+        per = 2 if self.kind == "Q8_16" else 1  # scales per block
+        return (self.scales.view(outputs, blocks, per, 1) * self.codes.view(outputs, blocks, per, -1).float()).reshape(self.shape)
 
     def grouped(self, group: int) -> torch.Tensor:
         """The blocks as ``blocks.c`` reads them: outputs in groups of ``group`` (the last padded
@@ -317,7 +329,7 @@ class Blocks:
             part = torch.cat([part, part.new_zeros(groups * group - outputs, *part.shape[1:])])
             return part.view(groups, group, blocks, -1).transpose(1, 2).reshape(groups, blocks, -1)
 
-        parts = [self.codes.view(torch.uint8), self.scales[..., None].view(torch.uint8)]
+        parts = [self.codes.view(torch.uint8), self.scales.view(outputs, blocks, -1).view(torch.uint8)]
         if self.kind == "Q4_1":
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
@@ -329,6 +341,8 @@ class Blocks:
         ``lanes`` 4-byte lanes (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's
         packed two to a byte as in the file; Q8_0's plus 128, unsigned), then the ``lanes`` scales
         (and minimums) as float16 — the file's own values: ``[groups, inputs / 32, bytes per block]``."""
+        if self.kind not in INTEGER_TYPES:
+            raise NotImplementedError("the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)")
         outputs, blocks = self.codes.shape[:2]
         groups = -(-outputs // lanes)
         pad = groups * lanes - outputs
@@ -340,7 +354,7 @@ class Blocks:
         for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
             half = values.to(torch.float16)
             if not torch.equal(half.float(), values):
-                raise NotImplementedError("the integer products keep scales as float16, and these are not float16 values")
+                raise NotImplementedError("the integer products keep scales as float16, and these are not float16 values (Q4_K's are products of two scales)")
             half = torch.cat([half, half.new_zeros(pad, blocks)])
             parts.append(half.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
@@ -353,23 +367,64 @@ class Blocks:
         return Blocks(parts[0].kind, *(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales", "mins")))
 
 
+def _halves(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 values, 2 bytes each along the last axis, as float32."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _torch(*arrays: np.ndarray) -> list[torch.Tensor]:
+    return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
+    """A GGUF tensor's blocks from its bytes (``raw``: ``[outputs, bytes]``, as gguf-py reads them)
+    for a type in ``GGUF_TYPES``, rounded exactly as gguf-py's ``dequantize`` rounds them (each a
+    product, then a sum); None for other types."""
+    if kind not in GGUF_TYPES:
+        return None
+    size, width = GGUF_TYPES[kind]
+    raw = np.asarray(raw).view(np.uint8)
+    outputs = raw.shape[0]
+    raw = raw.reshape(outputs, -1, width)  # [outputs, blocks (super-blocks for K types), bytes]
+    if kind == "Q4_1":
+        scales, mins, codes = _torch(_halves(raw[..., 0:2])[..., 0], _halves(raw[..., 2:4])[..., 0], raw[..., 4:])
+        return Blocks("Q4_1", codes, scales, mins)
+    if kind in ("Q4_0", "Q5_0", "Q8_0"):
+        if kind == "Q8_0":
+            codes = raw[..., 2:].copy().view(np.int8)
+        else:
+            nibbles = raw[..., -16:]
+            codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)  # byte j: codes j and j + 16
+            if kind == "Q5_0":  # the fifth bits: bit j of a 32-bit word
+                high = (raw[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+                codes = codes | (high.astype(np.int8) << 4)
+            codes = codes - np.int8(8 if kind == "Q4_0" else 16)
+        scales, codes = _torch(_halves(raw[..., 0:2])[..., 0], codes)
+        return Blocks("Q8_0", codes, scales, torch.zeros_like(scales))
+    blocks = raw.shape[1] * size // BLOCK
+    if kind == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+        d, dmin, packed, nibbles = _halves(raw[..., 0:2]), _halves(raw[..., 2:4]), raw[..., 4:16].reshape(outputs, -1, 3, 4), raw[..., 16:]
+        low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sub_scales = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=-1).astype(np.float32)  # [outputs, super-blocks, 8]
+        sub_mins = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=-1).astype(np.float32)
+        # 4 runs of 32 bytes: sub-block 2c in the low nibbles of run c, 2c + 1 in the high ones
+        runs = nibbles.reshape(outputs, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = (runs & 15).reshape(outputs, blocks, 32)
+        codes = codes[..., :16] | (codes[..., 16:] << 4)  # as Q4_1 packs them: byte j holds codes j and j + 16
+        scales, mins, codes = _torch((d * sub_scales).reshape(outputs, blocks), -(dmin * sub_mins).reshape(outputs, blocks), codes)
+        return Blocks("Q4_1", codes, scales, mins)
+    # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit scales (one per 16), d (float16)
+    low = raw[..., 0:128].reshape(outputs, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    high = raw[..., 128:192].reshape(outputs, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    codes = ((low & 15).reshape(outputs, blocks, 32) | ((high & 3).reshape(outputs, blocks, 32) << 4)).astype(np.int8) - np.int8(32)
+    sub_scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
+    scales, codes = _torch((_halves(raw[..., 208:210]) * sub_scales).reshape(outputs, blocks * 2), codes)
+    return Blocks("Q8_16", codes, scales, torch.zeros(outputs, blocks))
+
+
 def _read(tensor: Any) -> Blocks | None:
     """A GGUF tensor's blocks (None for other types)."""
-    kind = tensor.tensor_type.name
-    if kind not in BLOCK_TYPES:
-        return None
-    raw = np.asarray(tensor.data)
-    outputs = raw.shape[0]
-    width = 20 if kind == "Q4_1" else 34  # bytes per block: float16 scale (and min), then the codes
-    raw = raw.reshape(outputs, -1, width)
-    scales = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    if kind == "Q4_1":
-        mins = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-        codes = torch.from_numpy(raw[..., 4:].copy())
-    else:
-        mins = torch.zeros_like(scales)
-        codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8))
-    return Blocks(kind, codes.contiguous(), scales.contiguous(), mins.contiguous())
+    return tensor_blocks(tensor.tensor_type.name, np.asarray(tensor.data))
 
 
 def _llama_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -423,7 +478,7 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
             raise NotImplementedError(f"{gguf_file.name}'s {name} does not dequantise to the loaded weight")
         found[id(weight)] = match
     if not found:
-        raise NotImplementedError(f"{gguf_file.name} has no {' or '.join(BLOCK_TYPES)} weights")
+        raise NotImplementedError(f"{gguf_file.name} has no weights of the types the kernels read ({', '.join(GGUF_TYPES)})")
     return found
 
 
@@ -525,7 +580,7 @@ class BlockLlamaPass(FusedLlamaPass):
             raise NotImplementedError(f"the compiled layers take head dims of 16..128 in steps of 16, not {self.head_dim}")
         products = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
         if not all(isinstance(product, BlockProduct) for four in products for product in four):
-            raise NotImplementedError("not every linear weight of the decoder layers has Q4_1/Q8_0 blocks in the file")
+            raise NotImplementedError(f"not every linear product of the decoder layers has blocks of one type ({', '.join(GGUF_TYPES)}) in the file")
         self.scaling = self.layers[0].scaling
         if any(layer.scaling != self.scaling for layer in self.layers):
             raise NotImplementedError("the compiled layers take one attention scale for all layers")
