@@ -341,8 +341,9 @@ class Blocks:
         ``lanes`` 4-byte lanes (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's
         packed two to a byte as in the file; Q8_0's plus 128, unsigned), then the ``lanes`` scales
         (and minimums) as float16 — the file's own values: ``[groups, inputs / 32, bytes per block]``."""
-        if self.kind not in INTEGER_TYPES:
-            raise NotImplementedError("the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)")
+        reason = self.integer_unsupported()
+        if reason is not None:
+            raise NotImplementedError(reason)
         outputs, blocks = self.codes.shape[:2]
         groups = -(-outputs // lanes)
         pad = groups * lanes - outputs
@@ -352,12 +353,18 @@ class Blocks:
         codes = codes.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
         parts = [codes]
         for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
-            half = values.to(torch.float16)
-            if not torch.equal(half.float(), values):
-                raise NotImplementedError("the integer products keep scales as float16, and these are not float16 values (Q4_K's are products of two scales)")
-            half = torch.cat([half, half.new_zeros(pad, blocks)])
+            half = torch.cat([values.to(torch.float16), values.new_zeros(pad, blocks, dtype=torch.float16)])
             parts.append(half.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
+
+    def integer_unsupported(self) -> str | None:
+        """Why the integer products cannot take these blocks (``by_lanes``), or None when they can."""
+        if self.kind not in INTEGER_TYPES:
+            return "the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)"
+        for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
+            if not torch.equal(values.to(torch.float16).float(), values):
+                return "the integer products keep scales as float16, and these are not float16 values (Q4_K's are products of two scales)"
+        return None
 
     def rows(self, order: torch.Tensor) -> "Blocks":
         return Blocks(self.kind, self.codes[order].contiguous(), self.scales[order].contiguous(), self.mins[order].contiguous())
@@ -486,8 +493,9 @@ class GGUFBlocks:
     """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
 
     ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
-    blocks where every stacked weight has them (times float32 rows, or rows quantised to 8 or 16 bits
-    with ``activations="q8"`` or ``"q16"``), else with ``fallback`` (oneDNN-packed float32).
+    blocks where every stacked weight has them of one kind (times float32 rows, or rows quantised to 8
+    or 16 bits with ``activations="q8"`` or ``"q16"`` — float32 rows for blocks the integer products do
+    not take: Q6_K's, Q4_K's), else with ``fallback`` (oneDNN-packed float32).
     ``blocks``: what ``read_blocks(model, gguf_file)`` gave, where it was read already. ``isa``: the
     kernels' instruction-set level (``LEVEL_NAMES``; default the fastest here, capped by
     ``$AGENTSPEC_ISA``): every level gives the same bits, at its own speed."""
@@ -516,7 +524,9 @@ class GGUFBlocks:
         parts = [self.blocks.get(id(w)) for w in weights]
         if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
             return self.fallback(weights)
-        return block_product(Blocks.stack(parts), self.kernels, self.activations)
+        stacked = Blocks.stack(parts)
+        activations = "float32" if self.activations in INTEGER_ACTIVATIONS and stacked.integer_unsupported() else self.activations
+        return block_product(stacked, self.kernels, activations)
 
 
 class BlockProduct:

@@ -1,0 +1,196 @@
+"""A model in the types a user's Q4_K_M file holds, end to end: the default model written as a GGUF
+file whose layers are Q4_0, Q5_0, Q8_0, Q4_K and Q6_K (llama.cpp's Q4_K_M of this model is mostly
+Q5_0, Q8_0 and Q6_K: its 576-wide rows are not multiples of the K-quants' 256), loaded by
+transformers like any file, runs on the compiled block pass with its logits, and greedy speculative
+decoding equals plain decoding on every block pass "auto" may pick.
+
+gguf-py quantises Q4_0, Q5_0 and Q8_0; the K-quant blocks are encoded here (``q4_k``, ``q6_k``), simply
+(a scale per sub-block from its range) — the format is what matters, not the encoder's error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from agentspec.engine import Engine
+from agentspec.engine.blocks import GGUF_TYPES, BlockLlamaPass, blocks_unsupported, read_blocks
+from agentspec.engine.kv import KVLayout
+from agentspec.engine.packed import check_packed, use_packed_attention
+from agentspec.engine.weights import NEAR_TOLERANCE, pass_layout, select_weights
+from agentspec.model import load_model
+from agentspec.params import GenerationParams
+from agentspec.types import SpecConfig
+
+from .conftest import decode
+
+
+def _half_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def q4_k(weights: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of ``weights`` [rows, inputs]: per 256, d and dmin (float16), 6-bit scales and
+    minimums of its 8 sub-blocks of 32, 4-bit codes; w = d * scale * q - dmin * minimum."""
+    rows = weights.shape[0]
+    sub = weights.reshape(rows, -1, 8, 32)
+    low = np.minimum(sub.min(-1), 0)  # [rows, supers, 8]
+    step = (sub.max(-1) - low) / 15
+    d = (step.max(-1) / 63).astype(np.float16).astype(np.float32) + 1e-12
+    dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32) + 1e-12
+    scales = np.clip(np.round(step / d[..., None]), 1, 63).astype(np.uint8)
+    mins = np.clip(np.round(-low / dmin[..., None]), 0, 63).astype(np.uint8)
+    codes = np.round((sub + (dmin[..., None] * mins)[..., None]) / (d[..., None] * scales)[..., None])
+    codes = np.clip(codes, 0, 15).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            (scales[..., :4] & 63) | ((scales[..., 4:] >> 4) << 6),
+            (mins[..., :4] & 63) | ((mins[..., 4:] >> 4) << 6),
+            (scales[..., 4:] & 15) | ((mins[..., 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    nibbles = (codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)).reshape(rows, -1, 128)  # run c: sub-blocks 2c, 2c + 1
+    return np.concatenate([_half_bytes(d), _half_bytes(dmin), packed, nibbles], axis=-1).reshape(rows, -1)
+
+
+def q6_k(weights: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of ``weights`` [rows, inputs]: per 256, 6-bit codes (low 4 bits, then high 2), an
+    8-bit scale per 16, d (float16); w = d * scale * (q - 32)."""
+    rows = weights.shape[0]
+    sub = weights.reshape(rows, -1, 16, 16)
+    step = np.abs(sub).max(-1) / 31  # [rows, supers, 16]
+    d = (step.max(-1) / 127).astype(np.float16).astype(np.float32) + 1e-12
+    scales = np.clip(np.round(step / d[..., None]), 1, 127).astype(np.int8)
+    codes = np.clip(np.round(sub / (d[..., None] * scales)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(rows, -1, 256)
+    low, high = (codes & 15).reshape(rows, -1, 2, 2, 64), (codes >> 4).reshape(rows, -1, 2, 4, 32)
+    ql = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(rows, -1, 128)
+    qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)).reshape(rows, -1, 64)
+    return np.concatenate([ql, qh, scales.view(np.uint8), _half_bytes(d)], axis=-1).reshape(rows, -1)
+
+
+# Per layer (by index mod 3): the types of q, k, v / output / gate, up / down. A product stacks q, k
+# and v (gate and up) on one kind of block: Q4_0, Q5_0 and Q8_0 are all read as signed bytes.
+LAYOUT = (
+    {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
+    {"ffn_down": "Q4_K"},  # the rest stays Q4_1
+    {"attn_output": "Q8_0", "ffn_down": "Q6_K"},
+)
+
+
+def _rewrite(source: Path, path: Path, convert: Callable[[str, np.ndarray, Any], tuple[np.ndarray, Any]]) -> None:
+    """``source`` as a new GGUF file at ``path``: the same metadata, each tensor as ``convert(name,
+    bytes or values, type)`` gives it."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        data, kind = convert(tensor.name, np.asarray(tensor.data), tensor.tensor_type)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _to_layout(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
+    import gguf
+
+    parts = name.split(".")
+    wanted = LAYOUT[int(parts[1]) % 3].get(parts[2]) if parts[0] == "blk" else None
+    if wanted is None:
+        return data, kind
+    weights = gguf.quants.dequantize(data, kind).reshape(data.shape[0], -1).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[wanted]
+    return {"Q4_K": q4_k, "Q6_K": q6_k}.get(wanted, lambda w: gguf.quants.quantize(w, kind))(weights), kind
+
+
+def _to_float(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
+    import gguf
+
+    if kind.name not in GGUF_TYPES:
+        return data, kind
+    return gguf.quants.dequantize(data, kind).astype(np.float32), gguf.GGMLQuantizationType.F32
+
+
+@pytest.fixture(scope="module")
+def mixed(loaded, tmp_path_factory):
+    """The default model as a file of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K tensors, loaded."""
+    path = tmp_path_factory.mktemp("kquants") / "SmolLM2-135M-Instruct.mixed.gguf"
+    _rewrite(loaded.gguf_file, path, _to_layout)
+    model = load_model(path)
+    if blocks_unsupported(model.model, model.gguf_file) is not None:
+        pytest.skip(f"the GGUF block pass cannot run here: {blocks_unsupported(model.model, model.gguf_file)}")
+    return model
+
+
+@torch.inference_mode()
+def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixed):
+    """Every linear weight of the file is read from its blocks (so the decoder layers run in one
+    compiled call), and the pass gives the loaded model's logits: float32 rows to float32 rounding;
+    16-bit rows within their tolerance, with Q4_K's and Q6_K's products on float32 rows (the integer
+    products keep scales as float16, which theirs are not)."""
+    import gguf
+
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"} <= kinds
+    model, layout = mixed.model, KVLayout.of(mixed.model)
+    use_packed_attention(model)
+    exact = select_weights(model, layout, "gguf", mixed.gguf_file)
+    assert isinstance(exact.forward, BlockLlamaPass)
+    assert check_packed(model, layout, forward=exact.forward) <= 1e-3
+    rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
+    assert isinstance(rounded, BlockLlamaPass)
+    assert {layer.down.activations for layer in rounded.layers} == {"float32"}  # Q4_K, Q6_K
+    assert rounded.layers[0].qkv.activations == rounded.layers[1].qkv.activations == "q16"  # Q4_0 + Q5_0 + Q8_0; Q4_1
+    assert check_packed(model, pass_layout(layout, rounded), NEAR_TOLERANCE, forward=rounded) <= NEAR_TOLERANCE
+
+
+PROMPTS = [
+    "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
+    "Count from 1 to 20, separated by commas.",
+]
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-q16"])
+def test_greedy_speculative_matches_plain_on_a_file_of_k_quants(mixed, engine, weights):
+    """K pinned at 8, so drafts are verified at full length and rolled back, on each block pass."""
+    target = Engine(mixed, weights=weights)
+    target.costs = engine.costs
+    plain = GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False))
+    spec = GenerationParams(max_tokens=24, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = mixed.chat.encode([{"role": "user", "content": prompt}])
+        expected, _ = decode(target, ids, plain)
+        got, _ = decode(target, ids, spec)
+        assert got.tokens == expected.tokens, prompt
+        drafted += got.stats.drafted_tokens
+    assert drafted > 10
+
+
+def test_the_mixed_file_is_a_coherent_model(mixed):
+    """The encoders above keep the model what it was (so the equivalence test drafts real text): it
+    still counts."""
+    target = Engine(mixed, weights="gguf")
+    ids = mixed.chat.encode([{"role": "user", "content": "Count from 1 to 10, separated by commas."}])
+    seq, pieces = decode(target, ids, GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False)))
+    assert "1, 2, 3, 4" in "".join(pieces), "".join(pieces)
+
+
+def test_a_file_without_block_types_the_kernels_read_is_refused_with_the_types(mixed, tmp_path):
+    """read_blocks names the types it reads where a file has none of them (here: every linear weight
+    of the mixed file stored as float32)."""
+    path = tmp_path / "float.gguf"
+    _rewrite(mixed.gguf_file, path, _to_float)
+    with pytest.raises(NotImplementedError, match="has no weights of the types the kernels read"):
+        read_blocks(mixed.model, path)
