@@ -3,7 +3,8 @@
    machine: tests/test_blocks.py builds this for every level and compares what each prints).
 
    For Q4_1 and Q8_0 blocks (random codes, scales that are float16 values) times float32, 8-bit and
-   16-bit rows, and Q8_16 blocks (a scale per 16 weights) times float32 rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
+   16-bit rows, and Q8_16 (a scale per 16 weights) and Q8_1 (unsigned bytes, a minimum) blocks times
+   float32 rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
    subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
    dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
    decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
@@ -20,6 +21,7 @@ extern const int agentspec_lanes;
 void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
@@ -62,8 +64,8 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 }
 
 typedef struct {
-    int q8_0, N, K; /* q8_0: 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 0 for Q4_1 */
-    uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32 (Q8_0)], as the file stores them */
+    int q8_0, N, K; /* q8_0: 0 for Q4_1, 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 3 for Q8_1 (unsigned) */
+    uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them */
     float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values */
 } blocks;
 
@@ -72,25 +74,26 @@ static blocks make_blocks(int q8_0, int N, int K) {
     blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
     for (size_t i = 0; i < (size_t)N * nb * bytes; i++) b.codes[i] = (uint8_t)next();
     for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
-    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
+    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 == 1 || q8_0 == 2 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
     return b;
 }
 
 static int code(const blocks *b, int n, int k) { /* weight k of output n's code */
     const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (b->q8_0 ? 32 : 16);
+    if (b->q8_0 == 3) return c[k % 32];
     return b->q8_0 ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
 }
 
 static float weight(const blocks *b, int n, int k) { /* as the GGUF reader rounds it: a product, then a sum */
     const size_t at = (size_t)n * (b->K / 32) + k / 32;
     const float product = (b->q8_0 == 2 ? b->d[(size_t)n * (b->K / 16) + k / 16] : b->d[at]) * (float)code(b, n, k);
-    return b->q8_0 ? product : product + b->m[at];
+    return b->q8_0 == 1 || b->q8_0 == 2 ? product : product + b->m[at];
 }
 
 /* Blocks.grouped(G): per group of G outputs, per block, the G outputs' codes, scales, minimums (float32) */
 static uint8_t *grouped(const blocks *b, int G) {
     const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + G - 1) / G, scales = b->q8_0 == 2 ? 2 : 1;
-    const int per = G * (bytes + 4 * scales + (b->q8_0 ? 0 : 4));
+    const int mins = b->q8_0 == 0 || b->q8_0 == 3, per = G * (bytes + 4 * scales + 4 * mins);
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
@@ -98,7 +101,7 @@ static uint8_t *grouped(const blocks *b, int G) {
             const size_t src = (size_t)n * nb + k;
             memcpy(at + (n % G) * bytes, b->codes + src * bytes, bytes);
             memcpy(at + G * bytes + (n % G) * 4 * scales, b->d + src * scales, 4 * scales);
-            if (!b->q8_0) memcpy(at + G * (bytes + 4) + (n % G) * 4, b->m + src, 4);
+            if (mins) memcpy(at + G * (bytes + 4) + (n % G) * 4, b->m + src, 4);
         }
     return out;
 }
@@ -135,8 +138,8 @@ static product make_product(const blocks *b, int activations) {
 
 static void run(const product *p, const float *x, int M, float *y, int threads) {
     const blocks *b = p->b;
-    if (b->q8_0 == 2) { /* float32 rows only */
-        agentspec_q8_16_product(x, M, b->K, p->few, p->many, y, b->N, threads);
+    if (b->q8_0 >= 2) { /* float32 rows only */
+        (b->q8_0 == 2 ? agentspec_q8_16_product : agentspec_q8_1_product)(x, M, b->K, p->few, p->many, y, b->N, threads);
         return;
     }
     switch (p->activations * 2 + b->q8_0) {
@@ -183,7 +186,7 @@ static uint64_t check_product(int q8_0, int activations) {
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
     run(&p, x, M, all, 2);
-    const char *name = q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
+    const char *name = q8_0 == 3 ? "Q8_1" : q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
     for (int r = 0; r < M; r++) {
         run(&p, x + (size_t)r * K, 1, part, 2);
         CHECK(memcmp(part, all + (size_t)r * N, sizeof(float) * N) == 0, "%s x %d-bit rows: row %d alone differs", name, 8 * activations, r);
@@ -221,7 +224,7 @@ static uint64_t check_layers(int activations, int kv_half) {
         }
         for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
         blocks_arg args[4];
-        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 3 * activations, products[l][i].few, products[l][i].many};
+        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 4 * activations, products[l][i].few, products[l][i].many};
         layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3]};
     }
     const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
@@ -260,9 +263,9 @@ static uint64_t check_layers(int activations, int kv_half) {
 }
 
 int main(void) {
-    const char *kinds[3] = {"Q4_1", "Q8_0", "Q8_16"}, *rows[3] = {"float32", "q8", "q16"};
+    const char *kinds[4] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1"}, *rows[3] = {"float32", "q8", "q16"};
     for (int activations = 0; activations < 3; activations++)
-        for (int q8_0 = 0; q8_0 < (activations ? 2 : 3); q8_0++) /* Q8_16: float32 rows only */
+        for (int q8_0 = 0; q8_0 < (activations ? 2 : 4); q8_0++) /* Q8_16, Q8_1: float32 rows only */
             printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
     for (int activations = 0; activations < 3; activations += 2)
         for (int kv_half = 0; kv_half < 2; kv_half++)

@@ -1,10 +1,10 @@
 """A model in the types a user's Q4_K_M file holds, end to end: the default model written as a GGUF
-file whose layers are Q4_0, Q5_0, Q8_0, Q4_K and Q6_K (llama.cpp's Q4_K_M of this model is mostly
+file whose layers are Q4_0, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K (llama.cpp's Q4_K_M of this model is mostly
 Q5_0, Q8_0 and Q6_K: its 576-wide rows are not multiples of the K-quants' 256), loaded by
 transformers like any file, runs on the compiled block pass with its logits, and greedy speculative
 decoding equals plain decoding on every block pass "auto" may pick.
 
-gguf-py quantises Q4_0, Q5_0 and Q8_0; the K-quant blocks are encoded here (``q4_k``, ``q6_k``), simply
+gguf-py quantises Q4_0, Q5_0, Q5_1 and Q8_0; the K-quant blocks are encoded here (``q4_k``, ``q6_k``), simply
 (a scale per sub-block from its range) — the format is what matters, not the encoder's error."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def q6_k(weights: np.ndarray) -> np.ndarray:
 LAYOUT = (
     {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
     {"ffn_down": "Q4_K"},  # the rest stays Q4_1
-    {"attn_output": "Q8_0", "ffn_down": "Q6_K"},
+    {"attn_output": "Q5_1", "ffn_down": "Q6_K"},
 )
 
 
@@ -142,7 +142,7 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     import gguf
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}
-    assert {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"} <= kinds
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"} <= kinds
     model, layout = mixed.model, KVLayout.of(mixed.model)
     use_packed_attention(model)
     exact = select_weights(model, layout, "gguf", mixed.gguf_file)
@@ -151,6 +151,7 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
     assert isinstance(rounded, BlockLlamaPass)
     assert {layer.down.activations for layer in rounded.layers} == {"float32"}  # Q4_K, Q6_K
+    assert rounded.layers[2].o.activations == "float32"  # Q5_1, read as unsigned bytes
     assert rounded.layers[0].qkv.activations == rounded.layers[1].qkv.activations == "q16"  # Q4_0 + Q5_0 + Q8_0; Q4_1
     assert check_packed(model, pass_layout(layout, rounded), NEAR_TOLERANCE, forward=rounded) <= NEAR_TOLERANCE
 

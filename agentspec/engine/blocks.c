@@ -5,11 +5,12 @@
      Q4_1: w = d * q + m, q a 4-bit code (16 bytes per block; byte j holds codes j and j + 16)
      Q8_0: w = d * q, q a signed byte (32 bytes per block)
      Q8_16: w = d * q as Q8_0, with a scale d per 16 weights (two per block)
+     Q8_1: w = d * q + m, q an unsigned byte (32 bytes per block)
    d and m are the blocks' scales and minimums as float32. Each w is rounded exactly as the GGUF
    reader dequantises it (a product, then a sum; -ffp-contract=off keeps them apart), so these are
    the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes. The
    file's other types are read into these exactly (blocks.py): Q4_0 and Q5_0 as Q8_0, Q4_K as Q4_1
-   (its per-32 scale and minimum, products of the super-block's), Q6_K as Q8_16.
+   (its per-32 scale and minimum, products of the super-block's), Q6_K as Q8_16, Q5_1 and Q5_K as Q8_1.
 
    One source, built once per instruction-set level (blocks.py: LEVELS). The level is two macros:
    AGENTSPEC_WIDTH (512: AVX-512; 256: AVX2 + FMA + F16C) and AGENTSPEC_VNNI (1: the integer products
@@ -438,6 +439,7 @@ const int agentspec_vnni = AGENTSPEC_VNNI;
 #define Q4_1_BYTES(G) ((G) * (16 + 8)) /* one block of a group of G outputs: codes, scales, minimums */
 #define Q8_0_BYTES(G) ((G) * (32 + 4)) /* codes, scales */
 #define Q8_16_BYTES(G) ((G) * (32 + 8)) /* codes, two scales each */
+#define Q8_1_BYTES(G) ((G) * (32 + 8))  /* codes, scales, minimums */
 
 /* How many outputs a tile of `rows` rows takes: enough independent accumulators to hide the
    latency of the multiply-adds, few enough to stay in the vector registers (32 zmm; 16 ymm, two per
@@ -508,6 +510,15 @@ INLINE void q8_16_tile(const float *x, const int rows, int K, const uint8_t *few
     )
 }
 
+INLINE void q8_1_tile(const float *x, const int rows, int K, const uint8_t *few, const uint8_t *many, float *y, int N, int n, int nt) {
+    TILE_BODY(Q8_1_BYTES(G),
+        const v16 d = v16_set1(((const float *)(at + G * 32))[lane]), m = v16_set1(((const float *)(at + G * 36))[lane]);
+        const uint8_t *codes = at + lane * 32;
+        w0[t] = v16_add(v16_mul(v16_from_u8(codes), d), m);
+        w1[t] = v16_add(v16_mul(v16_from_u8(codes + 16), d), m);
+    )
+}
+
 /* Rows in chunks of MR; a chunk's outputs in tiles split over `threads` (static: a thread's share
    depends only on N and the chunk). */
 #define CHUNK(TILE, ROWS)                                                                          \
@@ -536,6 +547,10 @@ void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const
 
 void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
     PRODUCT(q8_16_tile)
+}
+
+void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    PRODUCT(q8_1_tile)
 }
 
 /* ==== Products on 8- and 16-bit activations (weights="gguf-q8", "gguf-q16") =======================
@@ -730,7 +745,7 @@ void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, flo
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
 typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, on float32 rows; 3, 4: Q4_1, Q8_0 on 8-bit rows; 6, 7: on 16-bit rows */
+    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; 4, 5: Q4_1, Q8_0 on 8-bit rows; 8, 9: on 16-bit rows */
     const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
 } agentspec_blocks;
 
@@ -790,10 +805,11 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 2: agentspec_q8_16_product(x, M, K, w->few, w->many, y, N, threads); break;
-    case 3: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 4: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 6: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
-    case 7: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
+    case 3: agentspec_q8_1_product(x, M, K, w->few, w->many, y, N, threads); break;
+    case 4: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 5: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 8: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
+    case 9: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
     default: abort(); /* blocks.py: _blocks_arg */
     }
 }

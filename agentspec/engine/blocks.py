@@ -65,16 +65,19 @@ FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 # The kernels' blocks of 32 weights (blocks.c): Q4_1 (4-bit codes, a scale and a minimum), Q8_0
-# (signed bytes, a scale) and Q8_16 (signed bytes, a scale per 16). The integer products take the
-# first two, with float16 scales.
-BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16")
+# (signed bytes, a scale), Q8_16 (signed bytes, a scale per 16) and Q8_1 (unsigned bytes, a scale and
+# a minimum). The integer products take the first two, with float16 scales.
+BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16", "Q8_1")
 INTEGER_TYPES = ("Q4_1", "Q8_0")
 # The GGUF types read into them, each weight exactly as the GGUF reader dequantises it: (weights per
 # block, bytes per block). Q4_0 and Q5_0 become Q8_0 (code - 8 or - 16, the block's scale); Q4_K
 # becomes Q4_1 (per 32 weights: the super-block's scale times the 6-bit scale, minus its minimum
 # times the 6-bit minimum); Q6_K becomes Q8_16 (code - 32, the super-block's scale times the 8-bit
-# scale of each 16). The rest (Q5_1, Q5_K, Q2_K, Q3_K, float tensors) take oneDNN's float32 products.
-GGUF_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+# scale of each 16); Q5_1 and Q5_K become Q8_1 (5-bit codes as bytes; Q5_K's scales and minimums as
+# Q4_K's). The rest (Q2_K, Q3_K, IQ types, float tensors) take oneDNN's float32 products.
+GGUF_TYPES = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
 # What a product multiplies the blocks by: float32 rows (the loaded model's products), or the rows
 # quantised per block of 32 to integers, multiplied by the codes with exact integer dot products: to
 # 8 bits as llama.cpp does (``"q8"``), or to 16 (``"q16"``: within ~0.01 of float32's logits on the
@@ -84,6 +87,7 @@ ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
 _SYMBOLS = {
     ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product", ("Q8_16", "float32"): "agentspec_q8_16_product",
+    ("Q8_1", "float32"): "agentspec_q8_1_product",
     ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
     ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
 }
@@ -301,9 +305,13 @@ class Blocks:
     """One weight matrix [outputs, inputs] as blocks of 32 along its inputs."""
 
     kind: str  # one of BLOCK_TYPES
-    codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0, Q8_16: int8 [outputs, inputs / 32, 32]
+    codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0, Q8_16: int8, Q8_1: uint8 [outputs, inputs / 32, 32]
     scales: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_16: [outputs, inputs / 16])
     mins: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_0, Q8_16: zeros, unused)
+
+    @property
+    def has_mins(self) -> bool:
+        return self.kind in ("Q4_1", "Q8_1")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -311,9 +319,9 @@ class Blocks:
 
     def dequantised(self) -> torch.Tensor:
         """The float32 weights, rounded as the GGUF reader rounds them (a product, then a sum)."""
-        if self.kind == "Q4_1":
-            codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1).float()
-            return (self.scales[..., None] * codes + self.mins[..., None]).reshape(self.shape)
+        if self.has_mins:
+            codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1) if self.kind == "Q4_1" else self.codes
+            return (self.scales[..., None] * codes.float() + self.mins[..., None]).reshape(self.shape)
         outputs, blocks = self.codes.shape[:2]
         per = 2 if self.kind == "Q8_16" else 1  # scales per block
         return (self.scales.view(outputs, blocks, per, 1) * self.codes.view(outputs, blocks, per, -1).float()).reshape(self.shape)
@@ -330,7 +338,7 @@ class Blocks:
             return part.view(groups, group, blocks, -1).transpose(1, 2).reshape(groups, blocks, -1)
 
         parts = [self.codes.view(torch.uint8), self.scales.view(outputs, blocks, -1).view(torch.uint8)]
-        if self.kind == "Q4_1":
+        if self.has_mins:
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
 
@@ -396,6 +404,12 @@ def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
     if kind == "Q4_1":
         scales, mins, codes = _torch(_halves(raw[..., 0:2])[..., 0], _halves(raw[..., 2:4])[..., 0], raw[..., 4:])
         return Blocks("Q4_1", codes, scales, mins)
+    if kind == "Q5_1":  # d, m (float16), 32 fifth bits, 16 bytes of nibbles
+        nibbles = raw[..., 8:]
+        high = (raw[..., 4:8].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1) | (high.astype(np.uint8) << 4)
+        scales, mins, codes = _torch(_halves(raw[..., 0:2])[..., 0], _halves(raw[..., 2:4])[..., 0], codes)
+        return Blocks("Q8_1", codes, scales, mins)
     if kind in ("Q4_0", "Q5_0", "Q8_0"):
         if kind == "Q8_0":
             codes = raw[..., 2:].copy().view(np.int8)
@@ -409,17 +423,21 @@ def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
         scales, codes = _torch(_halves(raw[..., 0:2])[..., 0], codes)
         return Blocks("Q8_0", codes, scales, torch.zeros_like(scales))
     blocks = raw.shape[1] * size // BLOCK
-    if kind == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
-        d, dmin, packed, nibbles = _halves(raw[..., 0:2]), _halves(raw[..., 2:4]), raw[..., 4:16].reshape(outputs, -1, 3, 4), raw[..., 16:]
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and minimums, [Q5_K: 32 bytes of fifth bits,] 128 of nibbles
+        d, dmin, packed, nibbles = _halves(raw[..., 0:2]), _halves(raw[..., 2:4]), raw[..., 4:16].reshape(outputs, -1, 3, 4), raw[..., -128:]
         low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
         sub_scales = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=-1).astype(np.float32)  # [outputs, super-blocks, 8]
         sub_mins = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=-1).astype(np.float32)
+        scales, mins = (d * sub_scales).reshape(outputs, blocks), -(dmin * sub_mins).reshape(outputs, blocks)
         # 4 runs of 32 bytes: sub-block 2c in the low nibbles of run c, 2c + 1 in the high ones
         runs = nibbles.reshape(outputs, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         codes = (runs & 15).reshape(outputs, blocks, 32)
+        if kind == "Q5_K":  # sub-block s's fifth bits: bit s of the 32 bytes
+            high = raw[..., 16:48].reshape(outputs, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            codes = codes | ((high & 1).reshape(outputs, blocks, 32) << 4)
+            return Blocks("Q8_1", *_torch(codes, scales, mins))
         codes = codes[..., :16] | (codes[..., 16:] << 4)  # as Q4_1 packs them: byte j holds codes j and j + 16
-        scales, mins, codes = _torch((d * sub_scales).reshape(outputs, blocks), -(dmin * sub_mins).reshape(outputs, blocks), codes)
-        return Blocks("Q4_1", codes, scales, mins)
+        return Blocks("Q4_1", *_torch(codes, scales, mins))
     # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit scales (one per 16), d (float16)
     low = raw[..., 0:128].reshape(outputs, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     high = raw[..., 128:192].reshape(outputs, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
@@ -517,7 +535,7 @@ class GGUFBlocks:
     @property
     def nbytes(self) -> int:
         """Bytes a pass streams from the blocks (codes, float32 scales and minimums)."""
-        return sum(b.codes.nbytes + b.scales.nbytes + (b.mins.nbytes if b.kind == "Q4_1" else 0) for b in self.blocks.values())
+        return sum(b.codes.nbytes + b.scales.nbytes + (b.mins.nbytes if b.has_mins else 0) for b in self.blocks.values())
 
     def linear(self, weights: Sequence[torch.Tensor]) -> Linear:
         """``x @ W.T`` for ``weights`` stacked along their outputs."""
