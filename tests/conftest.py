@@ -14,6 +14,7 @@ from agentspec.engine.lengths import CostModel
 from agentspec.engine.weights import REDUCED
 from agentspec.model import LoadedModel, load_model
 from agentspec.params import GenerationParams
+from agentspec.types import SpecConfig
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -82,6 +83,21 @@ def decode(engine: Engine, prompt_ids: list[int], params: GenerationParams, max_
     finally:
         engine.release(seq)
     return seq, pieces
+
+
+def drafted_matching_plain(target: Engine, loaded: LoadedModel, prompts: list[str], max_tokens: int = 24) -> int:
+    """Greedy decoding of each prompt on ``target`` with K pinned at 8 (drafts verified at full length
+    and rolled back) against plain decoding on it, asserted token for token; the tokens drafted."""
+    plain = GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=False))
+    spec = GenerationParams(max_tokens=max_tokens, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
+    drafted = 0
+    for prompt in prompts:
+        ids = loaded.chat.encode([{"role": "user", "content": prompt}])
+        expected, _ = decode(target, ids, plain)
+        got, _ = decode(target, ids, spec)
+        assert got.tokens == expected.tokens, prompt
+        drafted += got.stats.drafted_tokens
+    return drafted
 
 
 def tiny_model(loaded: LoadedModel, *, seed: int = 0, hidden: int = 32, layers: int = 2, init: float = 0.5) -> LoadedModel:

@@ -25,7 +25,7 @@ from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
-from .conftest import decode
+from .conftest import decode, drafted_matching_plain
 
 
 def _half_bytes(values: np.ndarray) -> np.ndarray:
@@ -167,16 +167,7 @@ def test_greedy_speculative_matches_plain_on_a_file_of_k_quants(mixed, engine, w
     """K pinned at 8, so drafts are verified at full length and rolled back, on each block pass."""
     target = Engine(mixed, weights=weights)
     target.costs = engine.costs
-    plain = GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False))
-    spec = GenerationParams(max_tokens=24, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
-    drafted = 0
-    for prompt in PROMPTS:
-        ids = mixed.chat.encode([{"role": "user", "content": prompt}])
-        expected, _ = decode(target, ids, plain)
-        got, _ = decode(target, ids, spec)
-        assert got.tokens == expected.tokens, prompt
-        drafted += got.stats.drafted_tokens
-    assert drafted > 10
+    assert drafted_matching_plain(target, mixed, PROMPTS) > 10
 
 
 def test_the_mixed_file_is_a_coherent_model(mixed):

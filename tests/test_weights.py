@@ -34,10 +34,8 @@ from agentspec.engine.weights import (
     with_onednn_linears,
 )
 from agentspec.errors import InvalidRequestError, ModelLoadError
-from agentspec.params import GenerationParams
-from agentspec.types import SpecConfig
 
-from .conftest import decode, tiny_model
+from .conftest import drafted_matching_plain, tiny_model
 
 # The default model's linear shapes (in, out): attention, MLP, and its 49152-token output layer.
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
@@ -279,16 +277,7 @@ def test_greedy_speculative_matches_plain_with_either_weights(loaded, engine, we
         pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
     target = Engine(loaded, weights=weights)
     target.costs = engine.costs
-    plain = GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False))
-    spec = GenerationParams(max_tokens=24, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
-    drafted = 0
-    for prompt in PROMPTS:
-        ids = loaded.chat.encode([{"role": "user", "content": prompt}])
-        expected, _ = decode(target, ids, plain)
-        got, _ = decode(target, ids, spec)
-        assert got.tokens == expected.tokens, prompt
-        drafted += got.stats.drafted_tokens
-    assert drafted > 10  # drafts were verified, not just plain steps
+    assert drafted_matching_plain(target, loaded, PROMPTS) > 10  # drafts were verified, not just plain steps
 
 
 def test_forward_packed_refuses_a_model_without_the_packed_attention(loaded):

@@ -61,6 +61,15 @@
 /* ==== Primitives, per level =======================================================================
    v16: 16 float lanes. vf, vi: the level's native register of LANES floats, LANES 32-bit integers. */
 
+#if defined(__x86_64__)
+/* 8 lanes' sum by a fixed tree: the 128-bit halves, then (0 + 2) + (1 + 3) */
+INLINE float sum8(__m256 t) {
+    const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
+}
+#endif
+
 #if AGENTSPEC_WIDTH == 512
 #define LANES 16
 typedef __m512 v16;
@@ -95,12 +104,7 @@ INLINE __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)
 INLINE v16 v16_load_first(const float *p, int n, float fill) { return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p); }
 INLINE void v16_store_first(float *p, v16 a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
 INLINE v16 v16_keep_first(v16 a, int n) { return _mm512_maskz_mov_ps(first(n), a); }
-/* The sum of the lanes: the two 256-bit halves, then the 128-bit halves, then (0 + 2) + (1 + 3). */
-INLINE float sum8(__m256 t) {
-    const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
-    const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
-}
+/* The sum of the lanes: the two 256-bit halves, then as sum8 */
 INLINE float v16_sum(v16 a) { return sum8(_mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a))); }
 /* Q4_1 weights d * q + m of 16 bytes of codes (low nibbles: weights 0..15, high: 16..31) through a
    table of the block's 16 possible weights (vpermps reads an index's low 4 bits): the same bits as
@@ -210,12 +214,7 @@ INLINE void v16_store_first(float *p, v16 a, int n) { _mm256_maskstore_ps(p, bel
 INLINE v16 v16_keep_first(v16 a, int n) {
     return (v16){_mm256_and_ps(a.lo, _mm256_castsi256_ps(below(n, 0))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(below(n, 8)))};
 }
-/* The zmm's tree: the halves (lanes 0..7 + 8..15), then the 128-bit halves, then (0 + 2) + (1 + 3). */
-INLINE float sum8(__m256 t) {
-    const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
-    const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
-}
+/* The zmm's tree: the halves (lanes 0..7 + 8..15), then as sum8 */
 INLINE float v16_sum(v16 a) { return sum8(_mm256_add_ps(a.hi, a.lo)); }
 INLINE void q4_1_weights(const uint8_t *codes, float d, float m, v16 *low, v16 *high) {
     const __m128i q = _mm_loadu_si128((const __m128i *)codes), nibble = _mm_set1_epi8(15);
