@@ -405,8 +405,6 @@ __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
 #endif
 
 const int agentspec_lanes = LANES; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */
-const int agentspec_width = AGENTSPEC_WIDTH;
-const int agentspec_vnni = AGENTSPEC_VNNI;
 
 /* EACH(ARGS..., n) for n = count (1..8; more: 8) as a compile-time constant, so that the code EACH
    expands to unrolls its loops over n and keeps its per-n arrays in registers. */

@@ -61,7 +61,8 @@ __all__ = [
 log = logging.getLogger("agentspec.engine")
 
 KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
-FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp")
+LIBRARY = ("-shared", "-fPIC")  # _build's: the kernels as a library (tests link blocks.c into a program)
 BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 # The kernels' blocks of 32 weights (blocks.c): Q4_1 (4-bit codes, a scale and a minimum), Q8_0
@@ -194,9 +195,10 @@ def _build(name: str) -> ctypes.CDLL | str:
     level = LEVELS[LEVEL_NAMES.index(name)]
     if level.arch != _machine():
         return f"{name}: the kernels of {level.arch} CPUs; this machine is {platform.machine()}"
-    variant = _variant(level)
-    if isinstance(variant, str):
-        return f"{name}: {variant}"
+    try:
+        flags = (*kernel_flags(name), *LIBRARY)
+    except NotImplementedError as exc:  # what the CPU lacks for it
+        return f"{name}: {exc}"
     compiler = _compiler()
     if compiler is None:
         return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
@@ -205,7 +207,6 @@ def _build(name: str) -> ctypes.CDLL | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the C compiler {compiler!r} does not run ({exc})"
-    flags = kernel_flags(name)
     cpu = " ".join(sorted(_cpu_flags() or ()))
     key = hashlib.sha256(b"|".join([source, " ".join(flags).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
     folder = cache_dir("kernels")
