@@ -1,19 +1,31 @@
 """OpenAI chat messages → the model's chat template → prompt token ids.
 
 Messages are validated and normalised before anything runs: roles checked, text parts joined,
-same-role runs merged, assistant tool calls rendered as text, and the system message folded into the
-first user message when the template has no system role.
+same-role runs merged, and the system message folded into the first user message when the template
+has no system role.
+
+Tools follow the template. Where it shows a family's tool-call syntax (``structured.formats``:
+Qwen's ``<tool_call>``, Llama 3.1's ``parameters``, Mistral's ``[TOOL_CALLS]``) it renders the tools
+itself (``tools=``), earlier calls as OpenAI ``tool_calls`` with arguments as objects, and results
+as role ``tool`` with the called function's ``name``. Otherwise agentspec's own section describes the
+tools (``tools.with_tool_prompt``) and earlier calls are rendered as the compact JSON lines a call
+is generated in.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+import logging
+from typing import Any, Sequence
 
 from .errors import InvalidRequestError
+from .structured.formats import ToolFormat, detect_format, template_id, template_tools
+from .structured.tools import ToolSpec, with_tool_prompt
 
 __all__ = ["normalize_messages", "ChatFormat"]
+
+log = logging.getLogger("agentspec.client")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -35,10 +47,11 @@ def _text(content: Any, where: str) -> str:
     raise InvalidRequestError(f"{where}: `content` must be a string or a list of text parts, got {type(content).__name__}.")
 
 
-def _render_tool_calls(tool_calls: Any, where: str) -> str:
+def _tool_calls(tool_calls: Any, where: str) -> list[tuple[str | None, str, dict[str, Any]]]:
+    """Validated assistant ``tool_calls``: (id, name, arguments object) each."""
     if not isinstance(tool_calls, list):
         raise InvalidRequestError(f"{where}: `tool_calls` must be a list, got {type(tool_calls).__name__}.")
-    rendered = []
+    calls = []
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -51,17 +64,27 @@ def _render_tool_calls(tool_calls: Any, where: str) -> str:
                 arguments = json.loads(arguments or "{}")
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"{where}: tool call arguments are not valid JSON ({exc}).") from None
-        # Compact, as the call grammar makes the model write them: history and new calls look alike.
-        call_json = {"name": function["name"], "arguments": arguments}
-        rendered.append(json.dumps(call_json, ensure_ascii=False, separators=(",", ":")))
-    return "\n".join(rendered)
+        call_id = call.get("id")
+        calls.append((call_id if isinstance(call_id, str) and call_id else None, function["name"], arguments))
+    return calls
 
 
-def normalize_messages(messages: Any, *, system_role: bool = True) -> list[dict[str, str]]:
-    """Validate OpenAI chat messages and return ``[{"role", "content"}]`` ready for a chat template."""
+def _render_tool_calls(calls: list[tuple[str | None, str, dict[str, Any]]]) -> str:
+    # Compact, as the call grammar makes the model write them: history and new calls look alike.
+    return "\n".join(json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False, separators=(",", ":")) for _, name, arguments in calls)
+
+
+def normalize_messages(messages: Any, *, system_role: bool = True, tool_format: ToolFormat | None = None) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and return ``[{"role", "content"}]`` ready for a chat template.
+
+    tool_format: the template's tool-call syntax; with it, assistant messages keep their calls as
+    ``tool_calls`` (ids as the template accepts them, arguments as objects) and tool messages their
+    ``tool_call_id`` and the called function's ``name``. Without it, calls become text.
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts.")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id → the function it called (a tool message names it)
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -74,14 +97,28 @@ def normalize_messages(messages: Any, *, system_role: bool = True) -> list[dict[
         if role == "tool" and not (isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
             raise InvalidRequestError(f"{where}: a 'tool' message needs the `tool_call_id` of the call it answers.")
         text = _text(message.get("content"), where)
+        normal: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and message.get("tool_calls"):
-            calls = _render_tool_calls(message["tool_calls"], where)
-            text = f"{text}\n{calls}" if text else calls
-        role = "system" if role == "developer" else role
-        if out and out[-1]["role"] == role and role != "tool":
-            out[-1]["content"] += "\n\n" + text
+            calls = _tool_calls(message["tool_calls"], where)
+            if tool_format is None:
+                rendered = _render_tool_calls(calls)
+                normal["content"] = f"{text}\n{rendered}" if text else rendered
+            else:
+                listed = []
+                for index, (call_id, name, arguments) in enumerate(calls):
+                    call_id = template_id(tool_format, call_id or f"call{i}x{index}")
+                    names[call_id] = name
+                    listed.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+                normal["tool_calls"] = listed
+        elif role == "tool" and tool_format is not None:
+            normal["tool_call_id"] = call_id = template_id(tool_format, message["tool_call_id"])
+            if call_id in names:
+                normal["name"] = names[call_id]
+        last = out[-1] if out else None
+        if last is not None and last["role"] == normal["role"] and normal["role"] != "tool" and "tool_calls" not in last and "tool_calls" not in normal:
+            last["content"] += "\n\n" + normal["content"]
         else:
-            out.append({"role": role, "content": text})
+            out.append(normal)
     if not system_role and out[0]["role"] == "system":
         system = out.pop(0)["content"]
         if out and out[0]["role"] == "user":
@@ -94,12 +131,19 @@ def normalize_messages(messages: Any, *, system_role: bool = True) -> list[dict[
 
 
 class ChatFormat:
-    """Renders normalised messages with the tokenizer's chat template (plain 'role: text' without one)."""
+    """Renders normalised messages with the tokenizer's chat template (plain 'role: text' without one).
+
+    ``tool_format``: the tool-call syntax the template shows (None: agentspec's own section and bare
+    JSON calls), checked by rendering a probe tool through the template.
+    """
+
+    PROBE_TOOL = "agentspec_probe_tool"
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.system_role = self.has_template and self._supports_system_role()
+        self.tool_format = self._detect_tool_format() if self.has_template else None
 
     def _supports_system_role(self) -> bool:
         probe = [{"role": "system", "content": "\x00probe\x00"}, {"role": "user", "content": "hi"}]
@@ -108,42 +152,72 @@ class ChatFormat:
         except Exception:  # templates that raise on a system role ("System role not supported")
             return False
 
+    def _detect_tool_format(self) -> ToolFormat | None:
+        template = self.tokenizer.chat_template
+        fmt = detect_format("\n".join(template.values()) if isinstance(template, dict) else str(template))
+        if fmt is None:
+            return None
+        tools = template_tools([ToolSpec(self.PROBE_TOOL, "", {"type": "object", "properties": {}})])
+        try:
+            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception:
+            rendered = ""
+        if self.PROBE_TOOL not in rendered:
+            log.warning("The chat template shows %s tool calls but does not render `tools`; agentspec's own tool section is used.", fmt.family)
+            return None
+        return fmt
+
     @functools.cached_property
     def _markers(self) -> tuple[str, ...]:
         """Texts the tokenizer turns into added (special) tokens wherever they appear."""
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         return tuple(str(getattr(token, "content", token)) for token in added.values())
 
-    def render(self, messages: Any) -> str:
-        return self._render(normalize_messages(messages, system_role=self.system_role))
+    def render(self, messages: Any, tools: Sequence[ToolSpec] = ()) -> str:
+        return self._render(*self._prepare(messages, tools))
 
-    def _render(self, normal: list[dict[str, str]]) -> str:
+    def _prepare(self, messages: Any, tools: Sequence[ToolSpec]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Normalised messages and the tools for the template (None: no tools, or described in a message)."""
+        if tools and self.tool_format is None:
+            messages = with_tool_prompt(messages, list(tools))
+        normal = normalize_messages(messages, system_role=self.system_role, tool_format=self.tool_format)
+        return normal, template_tools(tools) if tools and self.tool_format is not None else None
+
+    def _render(self, normal: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if not self.has_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in normal) + "assistant: "
         try:
-            return self.tokenizer.apply_chat_template(normal, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(normal, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raise_exception() in templates, e.g. strict role alternation
             raise InvalidRequestError(f"The model's chat template rejected these messages: {exc}") from exc
 
-    def encode(self, messages: Any) -> list[int]:
-        """Token ids of the prompt. Text inside messages never becomes a special token: a message that
-        contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection)."""
-        normal = normalize_messages(messages, system_role=self.system_role)
+    def encode(self, messages: Any, tools: Sequence[ToolSpec] = ()) -> list[int]:
+        """Token ids of the prompt, with ``tools`` described to the model. Text inside messages never
+        becomes a special token: a message that contains ``<|im_start|>`` and the like cannot open a
+        role of its own (prompt injection)."""
+        normal, listing = self._prepare(messages, tools)
+        structures = json.dumps([listing, [m.get("tool_calls") for m in normal]], ensure_ascii=False)
+        if any(marker in structures for marker in self._markers):
+            raise InvalidRequestError(
+                "A tool or a tool call's arguments contain special-token text (e.g. '<|im_start|>'), which the chat "
+                "template would write into the prompt as a control token; remove that text."
+            )
         if not any(marker in m["content"] for m in normal for marker in self._markers):
-            return self._ids(self._render(normal))
+            return self._ids(self._render(normal, listing))
         # Render with a sentinel per message, then tokenize the template's text as usual and each
-        # message's text with special-token matching off.
-        sentinels = [f"\x00agentspec-{i}\x00" for i in range(len(normal))]
-        rest = self._render([{**m, "content": sentinel} for m, sentinel in zip(normal, sentinels)])
+        # message's text with special-token matching off. Empty messages keep their "" (templates
+        # test it: Qwen's writes no newline before the calls of an assistant message without text).
+        sentinels = {i: f"\x00agentspec-{i}\x00" for i, m in enumerate(normal) if m["content"]}
+        rest = self._render([{**m, "content": sentinels.get(i, m["content"])} for i, m in enumerate(normal)], listing)
         ids: list[int] = []
-        for message, sentinel in zip(normal, sentinels):
+        for i, sentinel in sentinels.items():
             before, found, rest = rest.partition(sentinel)
             if not found:
                 raise InvalidRequestError(
                     "A message contains special-token text (e.g. '<|im_start|>') and this model's chat template "
                     "rewrites message text, so it cannot be kept inert; remove that text from the message."
                 )
-            ids += self._ids(before) + self._ids(message["content"], split_special_tokens=True)
+            ids += self._ids(before) + self._ids(normal[i]["content"], split_special_tokens=True)
         return ids + self._ids(rest)
 
     def _ids(self, text: str, **options: Any) -> list[int]:

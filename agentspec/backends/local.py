@@ -24,8 +24,9 @@ from ..metrics import MetricsAggregator, log_request
 from ..model import LoadedModel, load_model
 from ..params import GenerationParams
 from ..runtime import Channel, RequestHandle, Runtime
+from ..structured.formats import CallListGrammar, CallTranscriber, call_regex
 from ..structured.grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
-from ..structured.tools import with_tool_prompt
+from ..structured.tools import schema_tool_names
 from ..types import Limits, SpecConfig, SpecStats, Usage
 from .base import Request, Step
 
@@ -39,13 +40,23 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
     if params.schema is None:
         return None
     compiler = loaded.grammars
-    regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
+    fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
+    if fmt is None:
+        regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
+    else:  # the model family's call syntax around each allowed tool's arguments
+        names = schema_tool_names(params.schema)
+        regex = call_regex(fmt, [tool for tool in params.tools if tool.name in names])
 
-    def build() -> Grammar | RepeatedGrammar | AutoCallGrammar:
+    def build() -> Any:
         grammar = compiler.compile(params.schema, regex=regex)
         if params.tool_mode == "off":
             return grammar
-        calls = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
+        if fmt is None:
+            calls: Any = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
+        else:
+            separator = compiler.encode(fmt.separator.encode()) if params.parallel_tool_calls and fmt.separator else None
+            opening, closing = compiler.encode(fmt.opening.encode()), compiler.encode(fmt.closing.encode())
+            calls = CallListGrammar(grammar, opening=opening, separator=separator, closing=closing)
         return AutoCallGrammar(calls) if params.tool_mode == "auto" else calls
 
     return build
@@ -54,10 +65,11 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
 class LocalStream:
     """One request in the local engine."""
 
-    def __init__(self, runtime: Runtime, seq: Sequence, grammar: Callable[[], Any] | None) -> None:
+    def __init__(self, runtime: Runtime, seq: Sequence, grammar: Callable[[], Any] | None, calls: CallTranscriber | None = None) -> None:
         self._runtime = runtime
         self._seq = seq
         self._grammar = grammar  # builds the request's grammar (seconds for a big schema: off the loop)
+        self._calls = calls  # a model family's call syntax → the canonical call text Step promises
         self._handle: RequestHandle | None = None
 
     @property
@@ -83,13 +95,14 @@ class LocalStream:
         return self._step(item)
 
     def _step(self, output: StepOutput) -> Step:
+        text = self._calls.feed(output.text) if output.is_call and self._calls is not None else output.text
         if output.finish_reason is None:
-            return Step(output.text, tuple(output.token_ids), output.is_call)
+            return Step(text, tuple(output.token_ids), output.is_call)
         seq = self._seq  # the worker has released it: reading is safe
         prompt, completion = len(seq.prompt_ids), seq.generated
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         stats = seq.stats.model_copy(deep=True)
-        return Step(output.text, tuple(output.token_ids), output.is_call, finish_reason=output.finish_reason, usage=usage, stats=stats)
+        return Step(text, tuple(output.token_ids), output.is_call, finish_reason=output.finish_reason, usage=usage, stats=stats)
 
     async def aclose(self) -> None:
         if self._handle is not None:
@@ -149,10 +162,8 @@ class LocalBackend:
 
     def open(self, request: Request) -> LocalStream:
         assert self.loaded is not None and self.runtime is not None, "start() first"
-        loaded, params, messages = self.loaded, request.params, request.messages
-        if params.tools:
-            messages = with_tool_prompt(messages, list(params.tools))
-        prompt_ids = loaded.chat.encode(messages)
+        loaded, params = self.loaded, request.params
+        prompt_ids = loaded.chat.encode(request.messages, params.tools)  # the template's tool format, or agentspec's section
         room = loaded.context_window - len(prompt_ids)
         if room < 1:
             raise ContextLengthError(
@@ -160,7 +171,9 @@ class LocalBackend:
                 "shorten the messages (drop old turns or trim documents)."
             )
         max_new = min(params.max_tokens or room, room)
-        return LocalStream(self.runtime, Sequence(prompt_ids, params, max_new_tokens=max_new), _grammar_builder(loaded, params))
+        fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
+        calls = CallTranscriber(fmt) if fmt is not None else None
+        return LocalStream(self.runtime, Sequence(prompt_ids, params, max_new_tokens=max_new), _grammar_builder(loaded, params), calls)
 
     # -- observability -----------------------------------------------------------------------------
 

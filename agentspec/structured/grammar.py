@@ -290,25 +290,27 @@ class RepeatedGrammar:
 class AutoCallGrammar:
     """``tool_choice="auto"``: free text, or a tool call if the reply starts with one (a lazy grammar).
 
-    At the first token the model chooses: any token that does not start with ``{`` begins a text
-    answer, after which nothing is constrained; the call grammar's first canonical token (``{"``)
-    begins a call, after which the call grammar applies exactly as for a forced call. Tokens that
-    start with ``{`` but are not that token are masked, so a reply that opens a brace is always a
-    well-formed call. Plain and speculative decoding share this mask, so output never depends on
+    At the first token the model chooses: any token that does not start with the call's first byte
+    (``{``; a family's opening such as ``<tool_call>``: ``<``) begins a text answer, after which
+    nothing is constrained; the call grammar's first canonical token (``{"``) begins a call, after
+    which the call grammar applies exactly as for a forced call. Tokens that start with that byte but
+    are not that token are masked, so a reply that opens a brace is always a well-formed call (an
+    opening that is a special token masks nothing else). Plain and speculative decoding share this mask, so output never depends on
     speculation. States: ``UNDECIDED`` (before the first token), ``TEXT``, or the call grammar's own.
     """
 
     UNDECIDED = -2
     TEXT = -1
 
-    def __init__(self, call: Grammar | RepeatedGrammar) -> None:
+    def __init__(self, call: Any) -> None:
         self.call = call
         compiler = call.compiler
-        opening = torch.as_tensor(compiler.first_byte == ord("{"), device=compiler.device)
         self._start_mask = call.mask(call.initial_state)  # only the canonical first token of a call
-        self._first_mask = ~opening | self._start_mask
-        self._free_mask = torch.ones(compiler.vocab_size, dtype=torch.bool, device=compiler.device)
         self.call_start = int(self._start_mask.nonzero()[0])
+        lead = int(compiler.first_byte[self.call_start])  # "{" for bare JSON, "<" for "<tool_call>"
+        opening = compiler.first_byte == lead if lead >= 0 else np.arange(compiler.vocab_size) == self.call_start
+        self._first_mask = ~torch.as_tensor(opening, device=compiler.device) | self._start_mask
+        self._free_mask = torch.ones(compiler.vocab_size, dtype=torch.bool, device=compiler.device)
 
     @property
     def initial_state(self) -> int:

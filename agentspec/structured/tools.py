@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from .grammar import schema_regex
 from ..types import ToolCall, ToolCallDelta
 
-__all__ = ["ToolSpec", "parse_tools", "call_schema", "with_tool_prompt", "ToolCallParser", "CallAssembler"]
+__all__ = ["ToolSpec", "parse_tools", "call_schema", "schema_tool_names", "with_tool_prompt", "ToolCallParser", "CallAssembler"]
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; a name never needs JSON escaping
 NAME_PREFIX = '{"name":"'
@@ -87,6 +87,11 @@ def call_schema(tools: list[ToolSpec], forced_name: str) -> dict[str, Any]:
         if not forced_name or tool.name == forced_name
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def schema_tool_names(schema: dict[str, Any]) -> set[str]:
+    """The tools a ``call_schema`` allows (a model family's call grammar is built from the same tools)."""
+    return {option["properties"]["name"]["const"] for option in schema.get("anyOf", [schema])}
 
 
 def with_tool_prompt(messages: list[dict[str, Any]], tools: list[ToolSpec]) -> list[dict[str, Any]]:
