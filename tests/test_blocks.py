@@ -24,7 +24,7 @@ from agentspec.engine.blocks import (
     ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockLlamaPass, Blocks, GGUFBlocks, block_kernels, block_product,
     GGUF_TYPES, INTEGER_TYPES, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
 )
-from agentspec.engine.fused import FusedLlamaPass
+from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.engine.weights import NEAR_TOLERANCE, onednn_linear, pass_layout, select_weights
@@ -296,7 +296,7 @@ def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     on_blocks = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     fused = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
-    in_python = FusedLlamaPass(model, gguf_blocks.linear)([PackedRow(KVBlock(layout), ids, len(ids))])[0]
+    in_python = FusedPass(model, gguf_blocks.linear)([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     for other in (fused, in_python):  # the compiled layers against the same operations from Python
         assert (on_blocks - other).abs().max().item() < 1e-3
         assert torch.equal(on_blocks.argmax(-1), other.argmax(-1))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentspec.engine.fused import FusedLlamaPass
+from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed
-from agentspec.engine.static import KEY_BUCKET, KVPool, StaticLlamaPass, bucket
+from agentspec.engine.static import KEY_BUCKET, KVPool, StaticPass, bucket
 from agentspec.engine.weights import onednn_linear
 
 
@@ -51,10 +51,10 @@ def test_static_pass_gives_the_fused_pass_logits(model):
     logits and features, to float32 rounding: attention over a key bucket sums in another order
     than over exactly a sequence's keys."""
     layout = KVLayout.of(model)
-    static = StaticLlamaPass(model, onednn_linear, sequences=4, capacity=1024)
+    static = StaticPass(model, onednn_linear, sequences=4, capacity=1024)
     assert static.graphs is False and static.captured == 0  # a CPU runs it eagerly
     assert check_packed(model, layout, forward=static) <= 1e-3
-    got, expected = _passes(static, layout), _passes(FusedLlamaPass(model, onednn_linear), layout)
+    got, expected = _passes(static, layout), _passes(FusedPass(model, onednn_linear), layout)
     assert [g.shape for g in got] == [e.shape for e in expected] and len(got) == 9
     for g, e in zip(got, expected):
         assert (g - e).abs().max().item() < 1e-3 * max(1.0, e.abs().max().item())
@@ -67,7 +67,7 @@ def test_a_tokens_logits_do_not_depend_on_the_grid(model):
     (a 300-token prefill: 512 instead of 64; a 3-token verification beside a step: 4 instead of 1)
     and keys (512 instead of 256 beside the 300-token sequence)."""
     layout = KVLayout.of(model)
-    forward = StaticLlamaPass(model, onednn_linear, sequences=4, capacity=1024)
+    forward = StaticPass(model, onednn_linear, sequences=4, capacity=1024)
     prompt, steps = _tokens(40, 1), [5, 17, 301, 42]
 
     def run(beside: list[int] | None) -> list[torch.Tensor]:
@@ -91,8 +91,8 @@ def test_blocks_keep_their_address_and_take_turns_in_a_small_pool(model):
     reallocated every 256 tokens); with more live sequences than slots, the least recently used one
     outside the pass gets its own copy and its results do not change; collected blocks free their slot."""
     layout = KVLayout.of(model)
-    small = StaticLlamaPass(model, onednn_linear, sequences=2, capacity=1024)
-    roomy = StaticLlamaPass(model, onednn_linear, sequences=8, capacity=1024)
+    small = StaticPass(model, onednn_linear, sequences=2, capacity=1024)
+    roomy = StaticPass(model, onednn_linear, sequences=8, capacity=1024)
     results = {}
     for name, forward in (("small", small), ("roomy", roomy)):
         blocks = [KVBlock(layout) for _ in range(3)]
@@ -111,7 +111,7 @@ def test_blocks_keep_their_address_and_take_turns_in_a_small_pool(model):
     assert small.pool.evictions > 0 and roomy.pool.evictions == 0
     assert all(torch.equal(s, r) for s, r in zip(results["small"], results["roomy"]))
     gc.collect()
-    forward = StaticLlamaPass(model, onednn_linear, sequences=1, capacity=1024)
+    forward = StaticPass(model, onednn_linear, sequences=1, capacity=1024)
     for seed in range(3):  # one slot, three blocks one after another: each frees it for the next
         forward([PackedRow(KVBlock(layout), _tokens(20, seed), 1)])
     assert forward.pool.evictions == 0
@@ -120,7 +120,7 @@ def test_blocks_keep_their_address_and_take_turns_in_a_small_pool(model):
 @torch.inference_mode()
 def test_a_pass_the_pool_cannot_hold_is_refused_before_it_runs(model):
     layout = KVLayout.of(model)
-    forward = StaticLlamaPass(model, onednn_linear, sequences=2, capacity=300)
+    forward = StaticPass(model, onednn_linear, sequences=2, capacity=300)
     block = KVBlock(layout)
     forward([PackedRow(block, _tokens(290, 1), 1)])
     with pytest.raises(ValueError, match="301 tokens does not fit the key/value pool's 300"):
@@ -131,7 +131,7 @@ def test_a_pass_the_pool_cannot_hold_is_refused_before_it_runs(model):
     with pytest.raises(ValueError, match="at least one sequence"):
         KVPool(layout, 0, 16)
     with pytest.raises(NotImplementedError, match="CUDA graphs need a CUDA device"):
-        StaticLlamaPass(model, onednn_linear, graphs=True)
+        StaticPass(model, onednn_linear, graphs=True)
 
 
 def test_buckets_are_powers_of_two_capped():

@@ -14,7 +14,7 @@ from torch import nn
 import agentspec
 from agentspec.engine import Engine
 from agentspec.engine.blocks import blocks_unsupported
-from agentspec.engine.fused import FusedLlamaPass, fused_unsupported
+from agentspec.engine.fused import FusedPass, fused_unsupported
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
 from agentspec.engine.weights import (
@@ -117,16 +117,19 @@ def test_reduced_precision_leaves_out_what_cannot_run(loaded):
         Engine(half, weights="gguf-q8")
 
 
-def test_fused_pass_refuses_other_architectures(loaded):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def test_fused_pass_refuses_what_it_does_not_compute(loaded):
+    """A family outside arch.FAMILIES, or a block the description cannot express, is refused with the
+    reason (the generic pass runs it); asked for by name, the engine refuses it at load."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OlmoConfig, OlmoForCausalLM
 
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    assert "not 'qwen2'" in fused_unsupported(Qwen2ForCausalLM(Qwen2Config(**small)))
-    assert "SiLU" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, hidden_act="gelu")))
-    assert "biases" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, attention_bias=True)))
-    with pytest.raises(ModelLoadError, match="weights='fused' cannot run here.*not 'qwen2'"):
-        qwen = Qwen2ForCausalLM(Qwen2Config(**{**small, "vocab_size": loaded.vocab_size})).eval()
-        Engine(dataclasses.replace(tiny_model(loaded), model=qwen), weights="fused")
+    assert "not 'olmo'" in fused_unsupported(OlmoForCausalLM(OlmoConfig(**small)))
+    assert "MLP gates, not 'relu'" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, hidden_act="relu")))
+    assert "no biases on the MLP" in fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, mlp_bias=True)))
+    assert fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, attention_bias=True))) is None  # attention biases: Qwen2's
+    with pytest.raises(ModelLoadError, match="weights='fused' cannot run here.*not 'olmo'"):
+        olmo = OlmoForCausalLM(OlmoConfig(**{**small, "vocab_size": loaded.vocab_size})).eval()
+        Engine(dataclasses.replace(tiny_model(loaded), model=olmo), weights="fused")
 
 
 @torch.inference_mode()  # as the engine runs (under autograd, transformers' 1-position attention takes another kernel)
@@ -146,14 +149,14 @@ def test_fused_pass_gives_the_models_logits(loaded):
     model, layout = loaded.model, KVLayout.of(loaded.model)
     use_packed_attention(model)  # what an Engine does first
     eager = _passes(functools.partial(forward_packed, model), layout)
-    on_torch = _passes(FusedLlamaPass(model, torch_linear), layout)
+    on_torch = _passes(FusedPass(model, torch_linear), layout)
     for got, expected in zip(on_torch, eager):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
     if onednn_supported(model) is None:
         modules = _passes(functools.partial(forward_packed, with_onednn_linears(model)), layout)
-        fused = _passes(FusedLlamaPass(model, onednn_linear), layout)
+        fused = _passes(FusedPass(model, onednn_linear), layout)
         assert all(torch.equal(a, b) for a, b in zip(fused, modules))
-        assert check_packed(model, layout, forward=FusedLlamaPass(model, onednn_linear)) <= 1e-3
+        assert check_packed(model, layout, forward=FusedPass(model, onednn_linear)) <= 1e-3
 
 
 @pytest.mark.parametrize("weights", ["fused", "onednn", "bf16", "static", *GGUF_ACTIVATIONS])
@@ -169,7 +172,7 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(loaded, weights):
     use_packed_attention(model)
     forward = {
         **{name: lambda name=name: select_weights(model, layout, name, loaded.gguf_file).forward for name in GGUF_ACTIVATIONS},
-        "fused": lambda: FusedLlamaPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
+        "fused": lambda: FusedPass(model, onednn_linear if onednn_supported(model) is None else torch_linear),
         "onednn": lambda: functools.partial(forward_packed, with_onednn_linears(model)),
         "bf16": lambda: select_weights(model, layout, "bf16").forward,
         "static": lambda: select_weights(model, layout, "static").forward,

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from ..model import cache_dir
-from .fused import FusedLlamaPass, Linear, LinearFactory, fused_unsupported
+from .arch import GGUF_PROJECTIONS, describe
+from .fused import FusedPass, Linear, LinearFactory, fused_unsupported
 from .packed import Segment
 
 __all__ = [
@@ -453,23 +454,19 @@ def _read(tensor: Any) -> Blocks | None:
     return tensor_blocks(tensor.tensor_type.name, np.asarray(tensor.data))
 
 
-def _llama_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
-    """(GGUF tensor name, the loaded weight, heads whose rows llama.cpp's converter interleaved)."""
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+def _gguf_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
+    """(GGUF tensor name, the loaded weight, heads whose rows llama.cpp's converter may have
+    interleaved) of each projection the family's block has (``arch.py``)."""
+    arch = describe(model)
+    family = arch.family
     names = []
     for i, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        names += [
-            (f"blk.{i}.attn_q.weight", attention.q_proj.weight, heads),
-            (f"blk.{i}.attn_k.weight", attention.k_proj.weight, kv_heads),
-            (f"blk.{i}.attn_v.weight", attention.v_proj.weight, None),
-            (f"blk.{i}.attn_output.weight", attention.o_proj.weight, None),
-            (f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight, None),
-            (f"blk.{i}.ffn_up.weight", mlp.up_proj.weight, None),
-            (f"blk.{i}.ffn_down.weight", mlp.down_proj.weight, None),
-        ]
+        modules = [(name, getattr(attention, name)) for name in (*family.qkv, "o_proj")]
+        modules += [(name, getattr(mlp, name)) for name in (*family.gate_up, "down_proj")]
+        for name, module in modules:
+            heads = {"q_proj": arch.heads, "k_proj": arch.kv_heads}.get(name) if family.gguf_permuted else None
+            names.append((f"blk.{i}.{GGUF_PROJECTIONS[name]}.weight", module.weight, heads))
     names.append(("output.weight", model.get_output_embeddings().weight, None))
     return names
 
@@ -490,7 +487,7 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
 
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
     found: dict[int, Blocks] = {}
-    for name, weight, heads in _llama_names(model):
+    for name, weight, heads in _gguf_names(model):
         tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
         if tensor is None:
             raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
@@ -509,9 +506,9 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
 
 
 class GGUFBlocks:
-    """A loaded Llama model's linear weights as its GGUF file stores them, checked against the model.
+    """A loaded model's linear weights as its GGUF file stores them, checked against the model.
 
-    ``linear`` makes the fused pass's products (``FusedLlamaPass(model, blocks.linear)``): on the
+    ``linear`` makes the fused pass's products (``FusedPass(model, blocks.linear)``): on the
     blocks where every stacked weight has them of one kind (times float32 rows, or rows quantised to 8
     or 16 bits with ``activations="q8"`` or ``"q16"`` — float32 rows for blocks the integer products do
     not take: Q6_K's, Q4_K's), else with ``fallback`` (oneDNN-packed float32).
@@ -590,7 +587,7 @@ def _blocks_arg(product: BlockProduct) -> _BlocksArg:
     return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
 
 
-class BlockLlamaPass(FusedLlamaPass):
+class BlockLlamaPass(FusedPass):
     """The fused pass on the GGUF blocks with its decoder layers in one call of the compiled code
     (``agentspec_llama_layers`` in blocks.c): the same operations in the same order, without the
     ~120 framework calls a pass makes in Python (about half of a 1-position pass on the blocks).
@@ -604,33 +601,35 @@ class BlockLlamaPass(FusedLlamaPass):
     for 8 sequences 147 MB, more than the weights' 96 MB."""
 
     def __init__(self, model: Any, blocks: GGUFBlocks) -> None:
+        if not describe(model).llama_block:
+            raise NotImplementedError(f"the compiled layers compute Llama's block, not {model.config.model_type}'s (arch.py)")
         super().__init__(model, blocks.linear)
         if self.head_dim % 16 or self.head_dim > 128 or self.heads % self.kv_heads:
             raise NotImplementedError(f"the compiled layers take head dims of 16..128 in steps of 16, not {self.head_dim}")
         products = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
         if not all(isinstance(product, BlockProduct) for four in products for product in four):
             raise NotImplementedError(f"not every linear product of the decoder layers has blocks of one type ({', '.join(GGUF_TYPES)}) in the file")
-        self.scaling = self.layers[0].scaling
-        if any(layer.scaling != self.scaling for layer in self.layers):
+        self.scaling = self.layers[0].spec.scaling
+        if any(layer.spec.scaling != self.scaling for layer in self.layers):
             raise NotImplementedError("the compiled layers take one attention scale for all layers")
         for layer in self.layers:  # the C side reads the norms' memory directly
-            assert all(norm.is_contiguous() and norm.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
+            assert all(norm.weight.is_contiguous() and norm.weight.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
         self.function = blocks.kernels.agentspec_llama_layers
         self.isa = blocks.kernels.isa  # the kernels' instruction-set level
         self.kv_dtype = torch.float16 if blocks.activations in INTEGER_ACTIVATIONS else torch.float32
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
-                    layer.norm1.data_ptr(), layer.norm2.data_ptr(), layer.eps1, layer.eps2,
+                    layer.norm1.weight.data_ptr(), layer.norm2.weight.data_ptr(), layer.norm1.eps, layer.norm2.eps,
                     *(_blocks_arg(product) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                 )
                 for layer in self.layers
             )
         )
 
-    def decoder_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def decoder_layers(self, hidden: torch.Tensor, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
-        cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin = (angles.contiguous() for angles in rotations[""])
         dtypes = {s.block.data.dtype for s in segments}
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16}:
             raise ValueError(f"the compiled layers take key/value blocks of one dtype, float32 or float16, not {sorted(map(str, dtypes))}")

@@ -133,9 +133,12 @@ def store_kv(segments: list[Segment], layer: int, keys: torch.Tensor, values: to
         seg.block.data[layer, 1, :, seg.past : end] = values[0, :, seg.start : seg.stop]
 
 
-def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: float | None, window: int | None = None) -> torch.Tensor:
+def attend(
+    segments: list[Segment], layer: int, query: torch.Tensor, scaling: float | None, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """Causal attention of each row's queries ([1, heads, T, head_dim]) over its own block's keys and
-    values (stored first); returns [1, T, heads, head_dim]."""
+    values (stored first), within the last ``window`` positions where a window is given, scores
+    soft-capped by ``softcap`` where given; returns [1, T, heads, head_dim]."""
     heads, head_dim = query.shape[1], query.shape[3]
     outputs = []
     for seg in segments:
@@ -153,7 +156,7 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
             positions = torch.arange(new, device=query.device) + seg.past
             keys_at = torch.arange(end, device=query.device)
             mask = ((keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - window)).repeat(groups, 1)
-        out = sdpa(q, keys, values, mask, scaling)
+        out = sdpa(q, keys, values, mask, scaling, softcap)
         outputs.append(out.reshape(1, heads, new, head_dim))
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return attn.transpose(1, 2).contiguous()
@@ -165,7 +168,9 @@ def attend(segments: list[Segment], layer: int, query: torch.Tensor, scaling: fl
 MIN_ATTENTION_ROWS = 4
 
 
-def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+def sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, softcap: float | None = None
+) -> torch.Tensor:
     """Scaled dot-product attention whose result for a query does not depend on how many queries
     share the call. On a CPU in float32, torch's fused (flash) kernel blocks queries by their number
     (measured: a query's output changes once a call has 4 or more positions), so there attention is
@@ -175,19 +180,24 @@ def sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: to
     (``tests/test_weights.py``). This is torch's math kernel without its dispatch around it: 44
     against 135 µs per call for one query over 200 keys here, 3 ms of a 1-position pass of the
     default model. Elsewhere (CUDA, reduced precision: not the default on a CPU) the fused kernel
-    runs as it is."""
-    if query.device.type == "cpu" and query.dtype == torch.float32:
+    runs as it is, except with ``softcap`` (Gemma 2: scores → tanh(scores / cap) · cap before the
+    mask), which only the written-out form computes."""
+    invariant = query.device.type == "cpu" and query.dtype == torch.float32
+    if invariant or softcap is not None:
         rows = query.shape[-2]
-        if rows < MIN_ATTENTION_ROWS:
+        if invariant and rows < MIN_ATTENTION_ROWS:
             extra = MIN_ATTENTION_ROWS - rows
             query = torch.cat([query, query[..., -1:, :].expand(*query.shape[:-2], extra, query.shape[-1])], dim=-2)
             if mask is not None:
                 mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, mask.shape[-1])], dim=-2)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores.masked_fill_(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), values)[..., :rows, :]
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(weights, values)[..., :rows, :]
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
 
 
@@ -221,13 +231,34 @@ class _PackedCache:
 
 def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
     segments: list[Segment] | None = getattr(_local, "segments", None)
-    if segments is None:  # not a packed pass: exactly transformers' sdpa
+    softcap = kwargs.get("softcap")
+    if segments is None:  # not a packed pass: exactly transformers' sdpa (which has no soft-capping: then written out)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError("packed attention supports neither logit soft-capping nor attention sinks")
-    return attend(segments, module.layer_idx, query, kwargs.get("scaling"), kwargs.get("sliding_window")), None
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _softcapped_attention(query, key, value, attention_mask, kwargs.get("scaling"), softcap), None
+    if getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("packed attention has no attention sinks")
+    return attend(segments, module.layer_idx, query, kwargs.get("scaling"), kwargs.get("sliding_window"), softcap), None
+
+
+def _softcapped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, softcap: float
+) -> torch.Tensor:
+    """transformers' eager attention with soft-capped scores (Gemma 2), for a model's own forward:
+    [B, heads, T, D] queries over [B, kv_heads, S, D] keys/values with its boolean or additive
+    mask; [B, T, heads, D] out."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # sdpa_mask leaves a plain causal mask to the kernel: queries are the last of the keys
+        queries, keys = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).tril(keys - queries)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask[..., : key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
 def _packed_mask(*args: Any, **kwargs: Any) -> Any:

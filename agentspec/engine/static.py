@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .fused import FusedLlamaPass, LinearFactory, rms_norm
+from .arch import LayerSpec
+from .fused import FusedPass, LinearFactory
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, finish_rows, sdpa, wants_features
 
-__all__ = ["KVPool", "StaticLlamaPass", "GRAPH_POSITIONS", "KEY_BUCKET", "bucket"]
+__all__ = ["KVPool", "StaticPass", "GRAPH_POSITIONS", "KEY_BUCKET", "bucket"]
 
 log = logging.getLogger("agentspec.engine")
 
@@ -155,17 +155,22 @@ class _Grid:
 class _Context:
     """What each layer's attention reads: the grid's shape, slots, store indices and mask."""
 
-    __slots__ = ("rows", "positions", "keys", "slots", "write_slots", "write_positions", "mask")
+    __slots__ = ("rows", "positions", "keys", "slots", "write_slots", "write_positions", "masks")
 
-    def __init__(self, grid: _Grid, keys: int, groups: int) -> None:
+    def __init__(self, grid: _Grid, keys: int, groups: int, windows: set[int | None]) -> None:
         self.rows, self.positions = grid.ids.shape
         self.keys, self.slots = keys, grid.slots
         self.write_slots, self.write_positions = grid.write_slots, grid.write_positions
-        key = torch.arange(keys, device=grid.ids.device)
+        key = torch.arange(keys, device=grid.ids.device)[None, None, :]
         real = torch.arange(self.positions, device=grid.ids.device)[None, :] < grid.new[:, None]  # [B, Q]
-        visible = (key[None, None, :] <= grid.positions[:, :, None]) & real[:, :, None]
-        visible |= key[None, None, :] == 0  # a padding cell sees key 0 (never a row with nothing to attend)
-        self.mask = visible.repeat(1, groups, 1)[:, None]  # [B, 1, groups * Q, keys]: rows per query group
+        at = grid.positions[:, :, None]
+        self.masks = {}  # per window of the model's layers (None: all keys up to the cell's position)
+        for window in windows:
+            visible = (key <= at) & real[:, :, None]
+            if window is not None:
+                visible &= key > at - window
+            visible |= (key == 0) & ~real[:, :, None]  # a padding cell sees key 0 (never a row with nothing to attend)
+            self.masks[window] = visible.repeat(1, groups, 1)[:, None]  # [B, 1, groups * Q, keys]: rows per query group
 
 
 class _Graph:
@@ -175,7 +180,7 @@ class _Graph:
         self.graph, self.grid, self.outputs = graph, grid, outputs
 
 
-class StaticLlamaPass(FusedLlamaPass):
+class StaticPass(FusedPass):
     """The fused pass over a static key/value pool, one attention call per layer, graphs on CUDA."""
 
     def __init__(
@@ -291,16 +296,16 @@ class StaticLlamaPass(FusedLlamaPass):
 
     def _compute(self, grid: _Grid, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass over ``grid``: every cell's logits and final normed hidden state ([B * Q, ...])."""
-        hidden = F.embedding(grid.ids.reshape(-1), self.embed)
-        cos, sin = self.rotary(hidden[None], grid.positions.reshape(1, -1))
-        context = _Context(grid, keys, self.heads // self.kv_heads)
-        hidden = self.decoder_layers(hidden, cos[0], sin[0], context)
-        normed = rms_norm(hidden, self.norm, self.eps)
-        return self.head(normed), normed
+        hidden = self.embeddings(grid.ids.reshape(-1))
+        rotations = self.rotations(hidden, grid.positions.reshape(1, -1))
+        context = _Context(grid, keys, self.heads // self.kv_heads, {spec.window for spec in self.arch.layers})
+        hidden = self.decoder_layers(hidden, rotations, context)
+        normed = self.final_norm(hidden)
+        return self.logits(normed), normed
 
-    def attention(self, context: _Context, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attention(self, context: _Context, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
         """The grid's new keys/values stored in one indexed write per tensor, then one attention call
-        over every row's slot up to the key bucket, masked per row."""
+        over every row's slot up to the key bucket, masked per row (and the layer's window)."""
         rows, width, keys = context.rows, context.positions, context.keys
         kv_heads, groups, head_dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
         stored_keys, stored_values = self.pool.data[:, layer, 0], self.pool.data[:, layer, 1]  # [slots, kv_heads, capacity, head_dim]
@@ -310,5 +315,5 @@ class StaticLlamaPass(FusedLlamaPass):
         row_values = stored_values[:, :, :keys].index_select(0, context.slots)
         # grouped-query attention without copying keys: a kv head's query heads × positions are its rows
         query = q.view(rows, width, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups * width, head_dim)
-        out = sdpa(query, row_keys, row_values, context.mask, scaling)
+        out = sdpa(query, row_keys, row_values, context.masks[spec.window], spec.scaling, self.arch.attention_softcap)
         return out.view(rows, kv_heads, groups, width, head_dim).permute(0, 3, 1, 2, 4).reshape(rows * width, self.heads, head_dim)

@@ -14,7 +14,7 @@ The candidates (``CANDIDATES``):
 - ``"eager"``: ``forward_packed`` over the model as loaded (any architecture, device, dtype).
 - ``"onednn"``: the same over a copy of the model's module tree whose linear layers hold
   oneDNN-packed weights (any architecture; CPU, float32).
-- ``"fused"``: ``FusedLlamaPass`` (``fused.py``), agentspec's own pass for Llama-architecture models,
+- ``"fused"``: ``FusedPass`` (``fused.py``), agentspec's own pass for the families of ``arch.py``,
   on oneDNN-packed weights where they run, else ``F.linear``.
 - ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
   an x86-64 CPU with AVX2 or AVX-512, a C compiler): the same float32 weights, a fifth of the bytes
@@ -81,10 +81,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import Blocks, BlockLlamaPass, GGUFBlocks, blocks_unsupported, read_blocks
-from .fused import FusedLlamaPass, fused_unsupported
+from .fused import FusedPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
-from .static import StaticLlamaPass
+from .static import StaticPass
 
 __all__ = [
     "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights",
@@ -276,7 +276,7 @@ def _build(model: Any, name: str, gguf_file: Path | None = None, read: Callable[
             return BlockLlamaPass(model, blocks)
         except NotImplementedError as exc:
             log.info("GGUF blocks: the layers run from Python (%s)", exc)
-            return FusedLlamaPass(model, blocks.linear)
+            return FusedPass(model, blocks.linear)
     if name in ("eager", "onednn"):
         use_packed_attention(model)
         return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
@@ -284,9 +284,9 @@ def _build(model: Any, name: str, gguf_file: Path | None = None, read: Callable[
     if reason is not None:
         raise NotImplementedError(reason)
     if name == "bf16":
-        return FusedLlamaPass(model, functools.partial(onednn_linear, dtype=torch.bfloat16))
+        return FusedPass(model, functools.partial(onednn_linear, dtype=torch.bfloat16))
     linear = torch_linear if onednn_supported(model) is not None else onednn_linear
-    return StaticLlamaPass(model, linear) if name == "static" else FusedLlamaPass(model, linear)
+    return StaticPass(model, linear) if name == "static" else FusedPass(model, linear)
 
 
 @torch.inference_mode()

@@ -1,0 +1,128 @@
+"""Model families on agentspec's own passes (``engine/arch.py``): for each family a tiny random model
+built in-process from its config — every switch its block has turned on (biases, q/k norms, windows
+shorter than the test's texts, soft-caps, partial rotary, layers without rotary, multipliers) and
+every weight, norms included, perturbed so no switch hides behind an identity. The fused and static
+passes give transformers' logits to float32 rounding, "auto" takes the fused pass as a candidate, and
+greedy and seeded decoding are the same tokens speculative or plain."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from agentspec.engine import Engine
+from agentspec.engine.arch import FAMILIES, describe
+from agentspec.engine.fused import FusedPass
+from agentspec.engine.kv import KVLayout
+from agentspec.engine.packed import check_packed, use_packed_attention
+from agentspec.engine.static import StaticPass
+from agentspec.engine.weights import onednn_linear, select_weights
+from agentspec.params import GenerationParams
+from agentspec.types import SpecConfig
+
+from .conftest import decode, drafted_matching_plain
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
+
+
+def _configs():
+    import transformers as T
+
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return {
+        "llama": lambda: T.LlamaConfig(**SMALL, rope_scaling=llama3_rope),  # Llama 3.x RoPE scaling
+        "mistral": lambda: T.MistralConfig(**SMALL, sliding_window=5),
+        "qwen2": lambda: T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=2),  # biases, windows on 2 of 4 layers
+        "qwen3": lambda: T.Qwen3Config(**SMALL, head_dim=24),  # q/k norms, heads wider than hidden / heads
+        "phi3": lambda: T.Phi3Config(**SMALL, pad_token_id=0, partial_rotary_factor=0.5),  # fused qkv and gate_up, Phi-4-mini's partial rotary
+        "gemma": lambda: T.GemmaConfig(**SMALL, head_dim=16),  # (1 + w) norms, GELU gate, scaled embedding
+        "gemma2": lambda: T.Gemma2Config(**SMALL, **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),  # sandwich norms, soft-caps, alternating windows
+        "gemma3_text": lambda: T.Gemma3TextConfig(**SMALL, **GEMMA, sliding_window_pattern=2),  # q/k norms, a rotary table per layer type
+        "smollm3": lambda: T.SmolLM3Config(**SMALL, pad_token_id=0, no_rope_layer_interval=2),  # layers without rotary
+        "granite": lambda: T.GraniteConfig(**SMALL, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    }
+
+
+def test_every_family_has_a_test():
+    assert set(_configs()) == set(FAMILIES)
+
+
+def family_model(family: str, vocab_size: int, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    config = _configs()[family]()
+    config.vocab_size = vocab_size
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms start at identities (1, or Gemma's 0): perturb every weight
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, loaded):
+    """(family, its tiny model sharing the default tokenizer, as a LoadedModel)."""
+    model = family_model(request.param, loaded.vocab_size)
+    return request.param, dataclasses.replace(loaded, name=f"tiny-{request.param}", model=model, context_window=512, gguf_file=None)
+
+
+def test_description_reads_the_block(family):
+    name, tiny = family
+    arch = describe(tiny.model)
+    assert arch.model_type == name and len(arch.layers) == SMALL["num_hidden_layers"]
+    windows = [layer.window for layer in arch.layers]
+    expected = {"mistral": [5] * 4, "qwen2": [None, None, 4, 4], "gemma2": [4, None] * 2, "gemma3_text": [4, None] * 2}
+    assert windows == expected.get(name, [None] * 4)
+    assert ("q_proj" in arch.biases) == (name == "qwen2")
+    assert arch.llama_block == (name == "llama")  # only Llama's block runs in the compiled layers
+    if name == "smollm3":
+        assert [layer.rope for layer in arch.layers] == ["", None, "", None]
+    if name == "gemma2":
+        assert (arch.attention_softcap, arch.final_softcap) == (2.0, 3.0)
+
+
+@torch.inference_mode()
+def test_fused_and_static_passes_give_the_models_logits(family):
+    name, tiny = family
+    use_packed_attention(tiny.model)
+    layout = KVLayout.of(tiny.model)
+    for forward in (FusedPass(tiny.model, onednn_linear), StaticPass(tiny.model, onednn_linear, sequences=4, capacity=256)):
+        assert check_packed(tiny.model, layout, 1e-4, forward=forward) <= 1e-4, (name, type(forward).__name__)
+
+
+def test_auto_takes_the_fused_pass_as_a_candidate(family):
+    name, tiny = family
+    use_packed_attention(tiny.model)
+    auto = select_weights(tiny.model, KVLayout.of(tiny.model), "auto")
+    assert "fused" in auto.timings_ms, auto.reason
+    assert "fused:" not in auto.reason  # not among the passes left out, with their reasons
+
+
+def test_speculative_equals_plain_greedy_and_seeded(family):
+    name, tiny = family
+    engine = Engine(tiny, weights="fused")
+    prompts = ["one two three one two three one two three one two", "The cat sat. The cat sat. The cat"]
+    assert drafted_matching_plain(engine, tiny, prompts, max_tokens=16) > 0  # drafts were verified (and rolled back)
+    ids = tiny.chat.encode([{"role": "user", "content": prompts[0]}])
+    for seed in (1, 2):
+        sampled = dict(max_tokens=16, temperature=1.0, top_p=0.9, seed=seed)
+        plain, _ = decode(engine, ids, GenerationParams(**sampled, spec=SpecConfig(enabled=False)))
+        spec, _ = decode(engine, ids, GenerationParams(**sampled, spec=SpecConfig(max_draft_tokens=8, adaptive=False)))
+        assert spec.tokens == plain.tokens, (name, seed)
+
+
+def test_generic_pass_runs_soft_capped_attention(loaded):
+    """Gemma 2 on the model's own modules (the generic pass): transformers' sdpa has no soft-capping,
+    so the model's own forward outside packed passes computes it written out — a request runs and
+    gives the fused pass's tokens, not a raw ValueError."""
+    model = family_model("gemma2", loaded.vocab_size, seed=1)
+    tiny = dataclasses.replace(loaded, name="tiny-gemma2", model=model, context_window=512, gguf_file=None)
+    generic, fused = Engine(tiny, weights="eager"), Engine(tiny, weights="fused")
+    generic.calibrate(repeats=1)  # checks the packed passes against the model's own forward
+    ids = tiny.chat.encode([{"role": "user", "content": "Hello there"}])
+    params = GenerationParams(max_tokens=8, spec=SpecConfig(enabled=False))
+    assert decode(generic, ids, params)[0].tokens == decode(fused, ids, params)[0].tokens
