@@ -10,58 +10,26 @@ import sys
 import time
 from typing import Any
 
-from .bench.workloads import WORKLOADS, workload
+from .bench.workloads import WORKLOADS
 from .client import Client
 from .engine.weights import WEIGHTS
 from .errors import AgentSpecError
-from .types import Done, Limits, SpecStats, TextDelta
+from .types import Done, Limits, TextDelta
 
 __all__ = ["main"]
 
-DEMO_TASKS = ("document_answer", "code_edit")
-
-
-def _stats_line(stats: SpecStats, tokens: int, seconds: float) -> str:
-    return (
-        f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s) · {stats.target_forward_passes} target passes "
-        f"({stats.target_forward_passes_saved} saved) · acceptance {stats.acceptance_rate:.0%} · "
-        f"{stats.mean_accepted_length:.2f} tokens/pass · TTFT {stats.ttft_ms:.0f} ms · TPOT {stats.tpot_ms:.0f} ms"
-    )
-
 
 async def _demo(args: Any) -> int:
+    from .demo import run_demo
+
     print("Loading the default model (SmolLM2-135M-Instruct) ...", flush=True)
+    started = time.perf_counter()
     async with Client(args.model, device=args.device, weights=args.weights) as client:
-        print(f"Ready on {client.loaded.device}. Streaming verified tokens as they arrive.\n")
-        timings: dict[str, tuple[float, int, str]] = {}
-        for name in DEMO_TASKS:
-            work = workload(name)
-            print(f"━━ {name}: {work.description} ━━")
-            print(f"user: {work.messages[-1]['content'].splitlines()[-1]}\nassistant: ", end="", flush=True)
-            started = time.perf_counter()
-            text: list[str] = []
-            async with client.stream(work.messages, max_tokens=work.max_tokens) as stream:
-                async for event in stream:
-                    if isinstance(event, TextDelta):
-                        text.append(event.text)
-                        print(event.text, end="", flush=True)
-                    elif isinstance(event, Done):
-                        seconds = time.perf_counter() - started
-                        timings[name] = (seconds, event.usage.completion_tokens, "".join(text))
-                        print(f"\n\n[{event.finish_reason}] {_stats_line(event.stats, event.usage.completion_tokens, seconds)}\n")
-        print("━━ the same requests with plain decoding (speculative=False), for comparison ━━")
-        for name in DEMO_TASKS:
-            work = workload(name)
-            started = time.perf_counter()
-            plain = await client.generate(work.messages, max_tokens=work.max_tokens, speculative=False)
-            plain_s = time.perf_counter() - started
-            spec_s, tokens, spec_text = timings[name]
-            same = "identical output" if plain.text == spec_text else "DIFFERENT OUTPUT (a bug: please report it)"
-            print(f"{name:<16} plain {tokens / plain_s:5.1f} tok/s → speculative {tokens / spec_s:5.1f} tok/s: "
-                  f"{plain_s / spec_s:.2f}× faster, {same}")
-        total = client.metrics()
-        print(f"\nall requests: acceptance {total.acceptance_rate:.0%}, {total.target_forward_passes_saved} target passes saved")
-    return 0
+        weights = client.engine.weights
+        kernels = f" on {weights.isa} kernels" if weights.isa else ""
+        print(f"Ready in {time.perf_counter() - started:.1f} s: {client.loaded.name} on {client.loaded.device}, "
+              f"target pass {weights.name}{kernels}. Streaming verified tokens as they arrive.\n")
+        return 0 if await run_demo(client) else 1
 
 
 async def _chat(args: Any) -> int:
@@ -88,7 +56,7 @@ async def _chat(args: Any) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentspec", description="Lossless speculative decoding for local agent LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("demo", "stream two agent tasks and show the speedup"), ("chat", "chat in the terminal"), ("bench", "benchmark against peers")):
+    for name, text in (("demo", "stream three agent requests and compare them with plain decoding"), ("chat", "chat in the terminal"), ("bench", "benchmark against peers")):
         command = sub.add_parser(name, help=text)
         command.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
         command.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
