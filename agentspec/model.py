@@ -3,12 +3,12 @@
 Only safe weight formats are read (safetensors, GGUF); nothing is ever downloaded. Loaded models are
 shared: every ``Client`` asking for the same (model, device, dtype) gets the same weights.
 
-Reading a GGUF file through transformers is slow (the default model: about 45 s here, most of it
-parsing the file's metadata three times, not dequantising), so the first load of a ``.gguf`` also
+Reading a GGUF file through transformers is slow (it parses the file's metadata three times; the
+dequantising is the small part), so the first load of a ``.gguf`` also
 writes what it loaded — the dequantised weights, config and tokenizer — as a safetensors snapshot
 under ``$AGENTSPEC_CACHE_DIR`` (default ``~/.cache/agentspec/models``; ``off`` disables it), keyed
 by the file's path, size and modification time, transformers' version and the dtype. Later loads
-read the snapshot: the same tensors, bit for bit, in a few seconds.
+read the snapshot: the same tensors, bit for bit, without parsing the file.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
 - Shadow checks (``shadow``) decode one step at a time, only while no request is active or queued.
 - All torch work of a client runs on this one thread, model loading and calibration included
   (``call``). With libgomp, every thread that runs a parallel torch op keeps its own OpenMP team,
-  and once a process has more OpenMP threads than cores, every team stops spin-waiting: measured on
-  this 2-core CPU, a 5-position pass went from 55 ms to 74 ms when a second thread had run torch.
+  and once a process has more OpenMP threads than cores, every team stops spin-waiting, which slows
+  every parallel op of every pass.
 """
 
 from __future__ import annotations

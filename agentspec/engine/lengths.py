@@ -5,9 +5,8 @@ Two measured inputs decide every step:
   engine. Seeded by a calibration at start-up, then the fastest of each shape's latest passes:
   interference (another process, a busy core) only adds time, and an average would let one slow
   verification shut drafting off for good — a shape that looks slow is not chosen again, so it is
-  not measured again. The cost is not monotonic on every device (on a 2-core CPU, 2-3 positions
-  cost more than 4-9), so a pass of P positions is padded to the cheapest measured shape of at
-  least P positions.
+  not measured again. The cost need not grow with the positions (kernels change with the row
+  count), so a pass of P positions is padded to the cheapest measured shape of at least P positions.
 - ``AcceptanceModel`` (``drafting.acceptance``): per request, the probability that a draft token is
   accepted, kept per (source, evidence) bucket with decaying counts and a prior.
 

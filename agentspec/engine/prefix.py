@@ -3,9 +3,8 @@
 Agents resend a growing conversation every turn, and many requests share a system prompt and tool
 section. When a sequence finishes, its keys/values (prompt and output) are kept here, bounded by
 memory and evicted least recently used first. A new request copies the keys/values of its longest
-common prefix with any kept sequence and prefills only the rest. The copy costs far less than the
-pass it replaces (on this CPU, copying 1,000 tokens' keys/values of SmolLM2-135M (46 MB) takes a few
-milliseconds; prefilling them takes most of a second).
+common prefix with any kept sequence and prefills only the rest. The copy is a memory copy of the
+keys/values, far cheaper than the prefill pass it replaces.
 
 Keys/values depend only on the tokens before them, so a reused prefix decodes as a cold one does, up
 to float rounding between pass shapes (the same as between a verification and a plain step).

@@ -1,14 +1,12 @@
 """Which target pass an engine runs, chosen by measurement: transformers' modules, or faster ones.
 
-A pass of a small model is its linear layers: on a CPU they are most of its time, and a verification
-pass of K+1 positions is worth running only if it costs little more than one position. transformers'
-``nn.Linear`` calls MKL's sgemm, which re-packs the whole weight matrix on every call: cheap next to
-a big matrix product, ruinous next to a product with 1–16 rows (measured on a 2-core AVX2 EPYC, all
-linear layers of the default model: 51/77/113/138/173 ms for 1/2/4/8/16 rows). oneDNN can take the
-weights packed once, in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``): 44/44/50/64/
-97 ms for the same rows. Its packed product is also row-invariant — a row's result does not depend on
-how many rows share the call or where it sits (bit for bit, 1–32 rows; MKL's differs by ~5e-5) —
-which is what verification wants of a kernel.
+A pass of a small model is mostly its linear layers, and a verification pass of K+1 positions is
+worth running only if it costs little more than one position. transformers' ``nn.Linear`` calls
+MKL's sgemm, which re-packs the whole weight matrix on every call: cheap next to a big matrix
+product, ruinous next to one of 1–16 rows. oneDNN takes the weights packed once, in its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight``), and its packed product is row-invariant — a
+row's result does not depend on how many rows share the call or where it sits — which is what
+verification wants of a kernel.
 
 The candidates (``CANDIDATES``):
 - ``"eager"``: ``forward_packed`` over the model as loaded (any architecture, device, dtype).
@@ -17,9 +15,9 @@ The candidates (``CANDIDATES``):
 - ``"fused"``: ``FusedPass`` (``fused.py``), agentspec's own pass for the families of ``arch.py``,
   on oneDNN-packed weights where they run, else ``F.linear``.
 - ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
-  an x86-64 CPU with AVX2 or AVX-512, a C compiler): the same float32 weights, a fifth of the bytes
-  per token. The kernels are built for the CPU's instruction-set level and give the same bits on
-  every level (``blocks.LEVELS``).
+  a CPU with AVX2, AVX-512 or NEON's dot product, and a C compiler): the same float32 weights in a
+  fraction of the bytes per token. The kernels are built for the CPU's instruction-set level and
+  give the same bits on every level (``blocks.LEVELS``).
 - ``"gguf-q16"``: the ``"gguf"`` pass on rows rounded to 16 bits per block of 32 (below: it is in
   ``REDUCED`` too, the one arithmetic ``"auto"`` may pick that is not the loaded model's own).
 - ``"static"``: the fused pass over a key/value pool allocated once, one attention call per layer
@@ -28,42 +26,32 @@ The candidates (``CANDIDATES``):
 
 ``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
 the model's (float32 rounding; gguf-q16 within ``NEAR_TOLERANCE``), times each on 1- and 8-position
-passes, and keeps the fastest.
+passes, and keeps the fastest. ``SelectedWeights.reason`` records the timings it chose by.
 
-Reduced precision (``REDUCED``): another model's logits. Asked for by name, but for gguf-q16.
+Reduced precision (``REDUCED``): another model's logits. Asked for by name, but for gguf-q16. On
+every pass, speculative decoding equals plain decoding on that pass, token for token
+(``tests/test_weights.py``); what differs is plain decoding itself.
 - ``"bf16"``: the fused pass with its linear weights rounded to bfloat16 and packed for oneDNN (CPUs
   with AVX-512; half the bytes a token streams). Activations, norms, attention and the cache stay
-  float32; each product takes its input rounded to bfloat16 and accumulates in float32. Its logits
-  are those of another model — the loaded one with bfloat16 linear weights (up to ~0.9 apart on the
-  default model) — so its greedy output can differ from plain float32 decoding; speculative decoding
-  on it equals plain decoding on it, token for token, as with every pass (``tests/test_weights.py``).
-  It is slower than float32 here (oneDNN's bfloat16 products in eager).
+  float32; each product takes its input rounded to bfloat16 and accumulates in float32.
 - ``"gguf-q8"``: the ``"gguf"`` pass with each product's input rows quantised to 8 bits per block
   of 32 (a scale per block, as llama.cpp multiplies these blocks), multiplied by the file's own
   codes with exact integer dot products (``blocks.c``: vpdpbusd where the CPU has VNNI, vpmaddwd
-  elsewhere; the same bits). The weights are the file's, unchanged; the activations are rounded, so
-  its logits are another model's (llama.cpp's arithmetic): on 1024 teacher-forced tokens of text,
-  the greedy choice of the float32 pass at 96.2% of positions (``"bf16"``: 97.0%). Not the default:
-  on the repository's extraction example it names the company "Northwind Traders Inc. LLC" where
-  the float32 pass copies "Northwind Traders" from the e-mail; whether the speed is worth that is
-  the user's call.
+  elsewhere; the same bits). The weights are the file's; the activations are rounded, visibly:
+  on the repository's extraction example it names another company than the float32 pass copies
+  from the e-mail, so it is never the default.
 - ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (exact integer dot
-  products: two planes of bytes with VNNI, 16-bit integers without), a 256th of gguf-q8's rounding.
-  On the default model its logits are within 0.013 of the float32 pass's on 1024 teacher-forced
-  tokens of text (gguf-q8: 1.7) and its greedy choice the same at all 1024; with its keys and
-  values stored as float16, as both integer passes store them (``BlockLlamaPass.kv_dtype``;
-  llama.cpp's default cache), within 0.029 and still all 1024. The integer products take a
-  fraction of the float multiply-adds' instructions, so a pass of several positions costs less;
-  ``"auto"`` takes it where it measures fastest (README: "16-bit activations"): a rounding 700
-  times float32's own (gguf's logits are within 4e-5 of transformers'), not a visible change of
-  model. Greedy decoding on it can still part from transformers' float32 decoding where two tokens
-  are within ~0.03 of each other; ``weights="gguf"`` is the loaded model's own float32 arithmetic.
+  products: two planes of bytes with VNNI, 16-bit integers without), a 256th of gguf-q8's rounding,
+  with keys and values cached as float16 (``BlockLlamaPass.kv_dtype``, as llama.cpp caches them).
+  The integer products take a fraction of the float multiply-adds' instructions, so a pass of several
+  positions costs less, and its logits stay within ``NEAR_TOLERANCE`` of the loaded model's: not a
+  visible change of model, but greedy decoding can part from float32 decoding where two tokens are
+  nearly tied. ``weights="gguf"`` is the loaded model's own float32 arithmetic.
 
 The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
-use it); the faster passes hold a second copy of the linear weights (540 MB for the default model in
-float32).
+use it); the faster passes hold a second copy of the linear weights. What each pass measured, and on
+which machine: docs/how-it-works.md and docs/kernels.md.
 """
-
 from __future__ import annotations
 
 import copy
