@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.arch import FAMILIES, describe
+from agentspec.engine.arch import FAMILIES, GGUF_PROJECTIONS, describe
+from agentspec.engine.blocks import BlockProduct
 from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVLayout
 from agentspec.engine.packed import check_packed, use_packed_attention
 from agentspec.engine.static import StaticPass
 from agentspec.engine.weights import onednn_linear, select_weights
+from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
@@ -126,3 +128,81 @@ def test_generic_pass_runs_soft_capped_attention(loaded):
     ids = tiny.chat.encode([{"role": "user", "content": "Hello there"}])
     params = GenerationParams(max_tokens=8, spec=SpecConfig(enabled=False))
     assert decode(generic, ids, params)[0].tokens == decode(fused, ids, params)[0].tokens
+
+
+def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0") -> None:
+    """``model`` as llama.cpp's converter writes its family (no q/k row interleaving: Qwen's), its
+    projections and LM head in ``quant`` blocks (gguf-py's quantiser), the rest float32, with the
+    tokenizer of the GGUF file ``tokenizer_source``."""
+    import gguf
+    import numpy as np
+
+    config, family = model.config, describe(model).family
+    writer = gguf.GGUFWriter(str(path), config.model_type)
+    for field in gguf.GGUFReader(str(tokenizer_source)).fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    blocks = gguf.GGMLQuantizationType[quant]
+
+    def add(name, tensor, quantised=False):
+        values = tensor.detach().float().numpy()
+        if quantised:
+            writer.add_tensor(name, gguf.quants.quantize(values, blocks), raw_dtype=blocks)
+        else:
+            writer.add_tensor(name, values.astype(np.float32))
+
+    body = model.model
+    add("token_embd.weight", body.embed_tokens.weight)
+    for i, layer in enumerate(body.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = [(n, getattr(attention, n)) for n in (*family.qkv, "o_proj")] + [(n, getattr(mlp, n)) for n in (*family.gate_up, "down_proj")]
+        for name, module in projections:
+            add(f"blk.{i}.{GGUF_PROJECTIONS[name]}.weight", module.weight, quantised=True)
+            if module.bias is not None:
+                add(f"blk.{i}.{GGUF_PROJECTIONS[name]}.bias", module.bias)
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        if family.qk_norm:
+            add(f"blk.{i}.attn_q_norm.weight", attention.q_norm.weight)
+            add(f"blk.{i}.attn_k_norm.weight", attention.k_norm.weight)
+    add("output_norm.weight", body.norm.weight)
+    add("output.weight", model.lm_head.weight, quantised=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
+    """A Qwen3 GGUF file (Q8_0 projections, q/k norms, and a head size that is not hidden / heads,
+    which transformers' reader drops and agentspec reads from the file) loads, and its "gguf" and
+    "gguf-q16" passes run every projection on the file's blocks in the fused pass (the compiled
+    layers take Llama's block only), checked against the loaded model, with greedy speculative ==
+    plain. One family: a GGUF load parses the tokenizer for most of a minute; the file's projections
+    are named by arch.GGUF_PROJECTIONS for every family alike."""
+    name = "qwen3"
+    monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    model = family_model(name, loaded.vocab_size, seed=2)
+    model.config.tie_word_embeddings = False
+    path = tmp_path / f"tiny-{name}.Q8_0.gguf"
+    write_gguf(model, loaded.gguf_file, path)
+    read = load_model(path)
+    assert read.model.config.model_type == name and describe(read.model).head_dim == describe(model).head_dim
+    for weights in ("gguf", "gguf-q16"):
+        engine = Engine(read, weights=weights)
+        engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
+        assert isinstance(engine.forward, FusedPass) and not isinstance(engine.forward, StaticPass)
+        assert all(isinstance(product, BlockProduct) for layer in engine.forward.layers for product in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0
