@@ -24,7 +24,7 @@ from ..metrics import MetricsAggregator, log_request
 from ..model import LoadedModel, load_model
 from ..params import GenerationParams
 from ..runtime import Channel, RequestHandle, Runtime
-from ..structured.formats import CallListGrammar, CallTranscriber, call_regex
+from ..structured.formats import CallListGrammar, CallTranscriber, call_grammar, call_regex
 from ..structured.grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
 from ..structured.tools import schema_tool_names
 from ..types import Limits, SpecConfig, SpecStats, Usage
@@ -41,22 +41,21 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
         return None
     compiler = loaded.grammars
     fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
-    if fmt is None:
-        regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
-    else:  # the model family's call syntax around each allowed tool's arguments
+    if fmt is not None:  # the model family's call syntax around each allowed tool's arguments
         names = schema_tool_names(params.schema)
-        regex = call_regex(fmt, [tool for tool in params.tools if tool.name in names])
+        tools = [tool for tool in params.tools if tool.name in names]
+        call_regex(fmt, tools)  # raises now, not on the worker
+    else:
+        regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
 
-    def build() -> Any:
-        grammar = compiler.compile(params.schema, regex=regex)
-        if params.tool_mode == "off":
-            return grammar
-        if fmt is None:
-            calls: Any = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
+    def build() -> Grammar | RepeatedGrammar | CallListGrammar | AutoCallGrammar:
+        if fmt is not None:
+            calls: Any = call_grammar(compiler, fmt, tools, params.schema, parallel=params.parallel_tool_calls)
         else:
-            separator = compiler.encode(fmt.separator.encode()) if params.parallel_tool_calls and fmt.separator else None
-            opening, closing = compiler.encode(fmt.opening.encode()), compiler.encode(fmt.closing.encode())
-            calls = CallListGrammar(grammar, opening=opening, separator=separator, closing=closing)
+            grammar = compiler.compile(params.schema, regex=regex)
+            if params.tool_mode == "off":
+                return grammar
+            calls = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
         return AutoCallGrammar(calls) if params.tool_mode == "auto" else calls
 
     return build

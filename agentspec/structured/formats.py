@@ -30,7 +30,7 @@ import torch
 from .grammar import Grammar, schema_regex
 from .tools import ARGUMENTS_MARK, NAME_PREFIX, ToolSpec
 
-__all__ = ["ToolFormat", "FORMATS", "detect_format", "call_regex", "template_tools", "template_id", "CallListGrammar", "CallTranscriber"]
+__all__ = ["ToolFormat", "FORMATS", "detect_format", "call_regex", "call_grammar", "template_tools", "template_id", "CallListGrammar", "CallTranscriber"]
 
 NAME, ARGS = "NAME", "ARGS"  # the placeholders of ``ToolFormat.call``
 REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
@@ -95,6 +95,14 @@ def call_regex(fmt: ToolFormat, tools: Sequence[ToolSpec]) -> str:
         for tool in tools
     ]
     return options[0] if len(options) == 1 else "(" + "|".join(f"({option})" for option in options) + ")"
+
+
+def call_grammar(compiler: Any, fmt: ToolFormat, tools: Sequence[ToolSpec], schema: dict[str, Any], *, parallel: bool) -> "CallListGrammar":
+    """The grammar of a reply's calls of ``tools`` in ``fmt`` (``schema``: their ``call_schema``, kept
+    as the grammar's label; compiling takes milliseconds to seconds: call it off the event loop)."""
+    item = compiler.compile(schema, regex=call_regex(fmt, tools))
+    separator = compiler.encode(fmt.separator.encode()) if parallel and fmt.separator else None
+    return CallListGrammar(item, opening=compiler.encode(fmt.opening.encode()), separator=separator, closing=compiler.encode(fmt.closing.encode()))
 
 
 def template_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
