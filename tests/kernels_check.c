@@ -29,10 +29,18 @@ void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, flo
 
 /* blocks.c's structs */
 typedef struct { int kind; const void *few, *many; } blocks_arg;
-typedef struct { const float *norm1, *norm2; float eps1, eps2; blocks_arg qkv, o, gate_up, down; } layer_arg;
+typedef struct {
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    blocks_arg qkv, o, gate_up, down;
+    const float *qkv_bias, *q_norm, *k_norm;
+    float qk_eps;
+    int window, rotary;
+} layer_arg;
 typedef struct { int start, stop, past, capacity; void *kv; } segment_arg;
-void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
-                            const float *cos, const float *sin, float scaling, const segment_arg *segments, int nseg, int kv_half, int threads);
+void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
+                      const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const segment_arg *segments, int nseg,
+                      int kv_half, int threads);
 
 static int failures = 0;
 #define CHECK(cond, ...)                                                                           \
@@ -208,12 +216,16 @@ static uint64_t check_product(int q8_0, int activations) {
 }
 
 /* The decoder layers of a tiny random model: 2 layers, hidden 64, 4 query heads and 2 key/value heads
-   of 16, MLP 96; products on Q4_1 blocks (the down product on Q8_0) times float32 or 16-bit rows. */
+   of 16, MLP 96; products on Q4_1 blocks (the down product on Q8_0) times float32 or 16-bit rows. The
+   second layer has every switch of the described blocks on: q/k/v biases, q/k norms, a window of 3
+   positions, no rotary embedding; the residuals are scaled by 0.5. */
 enum { LAYERS = 2, H = 64, HEADS = 4, KV_HEADS = 2, HEAD_DIM = 16, MLP = 96, CAPACITY = 16 };
 
 static uint64_t check_layers(int activations, int kv_half) {
     static blocks weights[LAYERS][4];
-    static float norms[LAYERS][2][H];
+    static float norms[LAYERS][2][H], bias[(HEADS + 2 * KV_HEADS) * HEAD_DIM], qk_norms[2][HEAD_DIM];
+    for (int i = 0; i < (HEADS + 2 * KV_HEADS) * HEAD_DIM; i++) bias[i] = 0.1f * uniform();
+    for (int i = 0; i < 2 * HEAD_DIM; i++) qk_norms[i / HEAD_DIM][i % HEAD_DIM] = 0.5f + 0.5f * fabsf(uniform());
     layer_arg layers[LAYERS];
     const int shapes[4][3] = {{0, (HEADS + 2 * KV_HEADS) * HEAD_DIM, H}, {0, H, HEADS * HEAD_DIM}, {0, 2 * MLP, H}, {1, H, MLP}}; /* q8_0, N, K */
     product products[LAYERS][4];
@@ -225,7 +237,10 @@ static uint64_t check_layers(int activations, int kv_half) {
         for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
         blocks_arg args[4];
         for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 4 * activations, products[l][i].few, products[l][i].many};
-        layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3]};
+        layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3], NULL, NULL, NULL, 0.0f, 0, 1};
+        if (l == 1)
+            layers[l].qkv_bias = bias, layers[l].q_norm = qk_norms[0], layers[l].k_norm = qk_norms[1], layers[l].qk_eps = 1e-6f, layers[l].window = 3,
+            layers[l].rotary = 0;
     }
     const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
     void *kv_a = calloc(kv_bytes, 1), *kv_b = calloc(kv_bytes, 1), *kv_alone = calloc(kv_bytes, 1);
@@ -243,8 +258,8 @@ static uint64_t check_layers(int activations, int kv_half) {
     }
     const float scaling = 0.25f; /* 1 / sqrt(16) */
     segment_arg both[2] = {{0, 5, 0, CAPACITY, kv_a}, {5, 8, 0, CAPACITY, kv_b}}, one[1] = {{0, 5, 0, CAPACITY, kv_alone}};
-    agentspec_llama_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, scaling, both, 2, kv_half, 2);
-    agentspec_llama_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, scaling, one, 1, kv_half, 1);
+    agentspec_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, both, 2, kv_half, 2);
+    agentspec_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, one, 1, kv_half, 1);
     CHECK(memcmp(alone, hidden, sizeof(alone)) == 0, "layers (%d-bit rows, %s cache): a sequence alone differs", 16 * (activations > 0), kv_half ? "float16" : "float32");
     CHECK(memcmp(kv_alone, kv_a, kv_bytes) == 0, "layers: a sequence's keys and values alone differ");
     uint64_t h = hash_bytes(0xCBF29CE484222325u, hidden, sizeof(hidden));
@@ -252,7 +267,8 @@ static uint64_t check_layers(int activations, int kv_half) {
     float more[2 * H];
     for (int i = 0; i < 2 * H; i++) more[i] = uniform();
     segment_arg again[1] = {{0, 2, 5, CAPACITY, kv_a}};
-    agentspec_llama_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, scaling, again, 1, kv_half, 2);
+    agentspec_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, HEAD_DIM, scaling, 0.5f, again, 1,
+                     kv_half, 2);
     for (int i = 0; i < 2 * H; i++) CHECK(isfinite(more[i]), "layers: a second pass gave %g", more[i]);
     h = hash_bytes(h, more, sizeof(more));
     h = hash_bytes(h, kv_a, kv_bytes);

@@ -21,7 +21,7 @@ import torch
 
 from agentspec.engine import Engine
 from agentspec.engine.blocks import (
-    ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockLlamaPass, Blocks, GGUFBlocks, block_kernels, block_product,
+    ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockPass, Blocks, GGUFBlocks, block_kernels, block_product,
     GGUF_TYPES, INTEGER_TYPES, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
 )
 from agentspec.engine.fused import FusedPass
@@ -163,7 +163,7 @@ def test_the_compiled_layers_give_the_same_logits_on_every_level(loaded, levels,
     ids = loaded.chat.encode([{"role": "user", "content": "Name three rivers of Europe and say which is longest."}])
     logits = {}
     for level in levels:
-        forward = BlockLlamaPass(model, GGUFBlocks(model, loaded.gguf_file, onednn_linear, activations, blocks=read, isa=level))
+        forward = BlockPass(model, GGUFBlocks(model, loaded.gguf_file, onednn_linear, activations, blocks=read, isa=level))
         block = KVBlock(pass_layout(layout, forward))
         logits[level] = torch.cat([forward([PackedRow(block, ids[:-8], len(ids) - 8)])[0], forward([PackedRow(block, ids[-8:], 8)])[0]])
     for level in levels[1:]:
@@ -292,7 +292,7 @@ def test_gguf_pass_gives_the_models_logits(loaded, gguf_blocks):
     chosen = select_weights(model, layout, "gguf", loaded.gguf_file)
     assert chosen.name == "gguf" and chosen.tolerance is None
     assert check_packed(model, layout, forward=chosen.forward) <= 1e-3
-    assert isinstance(chosen.forward, BlockLlamaPass)  # every layer product of the default model has blocks
+    assert isinstance(chosen.forward, BlockPass)  # every layer product of the default model has blocks
     ids = loaded.chat.encode([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     on_blocks = chosen.forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]
     fused = select_weights(model, layout, "fused").forward([PackedRow(KVBlock(layout), ids, len(ids))])[0]

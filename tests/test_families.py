@@ -14,12 +14,12 @@ import torch
 
 from agentspec.engine import Engine
 from agentspec.engine.arch import FAMILIES, GGUF_PROJECTIONS, describe
-from agentspec.engine.blocks import BlockProduct
+from agentspec.engine.blocks import BlockPass, GGUFBlocks, tensor_blocks
 from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVLayout
 from agentspec.engine.packed import check_packed, use_packed_attention
 from agentspec.engine.static import StaticPass
-from agentspec.engine.weights import onednn_linear, select_weights
+from agentspec.engine.weights import NEAR_TOLERANCE, onednn_linear, select_weights
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
@@ -28,6 +28,7 @@ from .conftest import decode, drafted_matching_plain
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
+COMPILED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")  # blocks.c's agentspec_layers runs their blocks
 
 
 def _configs():
@@ -38,7 +39,7 @@ def _configs():
         "llama": lambda: T.LlamaConfig(**SMALL, rope_scaling=llama3_rope),  # Llama 3.x RoPE scaling
         "mistral": lambda: T.MistralConfig(**SMALL, sliding_window=5),
         "qwen2": lambda: T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=2),  # biases, windows on 2 of 4 layers
-        "qwen3": lambda: T.Qwen3Config(**SMALL, head_dim=24),  # q/k norms, heads wider than hidden / heads
+        "qwen3": lambda: T.Qwen3Config(**SMALL, head_dim=32),  # q/k norms, heads wider than hidden / heads
         "phi3": lambda: T.Phi3Config(**SMALL, pad_token_id=0, partial_rotary_factor=0.5),  # fused qkv and gate_up, Phi-4-mini's partial rotary
         "gemma": lambda: T.GemmaConfig(**SMALL, head_dim=16),  # (1 + w) norms, GELU gate, scaled embedding
         "gemma2": lambda: T.Gemma2Config(**SMALL, **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),  # sandwich norms, soft-caps, alternating windows
@@ -80,7 +81,7 @@ def test_description_reads_the_block(family):
     expected = {"mistral": [5] * 4, "qwen2": [None, None, 4, 4], "gemma2": [4, None] * 2, "gemma3_text": [4, None] * 2}
     assert windows == expected.get(name, [None] * 4)
     assert ("q_proj" in arch.biases) == (name == "qwen2")
-    assert arch.llama_block == (name == "llama")  # only Llama's block runs in the compiled layers
+    assert (arch.compiled is None) == (name in COMPILED), arch.compiled  # the compiled layers take all but Gemma's blocks
     if name == "smollm3":
         assert [layer.rope for layer in arch.layers] == ["", None, "", None]
     if name == "gemma2":
@@ -94,6 +95,35 @@ def test_fused_and_static_passes_give_the_models_logits(family):
     layout = KVLayout.of(tiny.model)
     for forward in (FusedPass(tiny.model, onednn_linear), StaticPass(tiny.model, onednn_linear, sequences=4, capacity=256)):
         assert check_packed(tiny.model, layout, 1e-4, forward=forward) <= 1e-4, (name, type(forward).__name__)
+
+
+@torch.inference_mode()
+def test_compiled_layers_give_the_models_logits(family, tmp_path):
+    """The compiled decoder layers (blocks.c) on Q8_0 blocks of the family's projections — the model's
+    weights replaced by the blocks' values, as a GGUF file's are — give the model's logits to float32
+    rounding, on float32 and on float16 keys and values; a block they do not compute is refused."""
+    import gguf
+
+    name, tiny = family
+    model = family_model(name, tiny.vocab_size, seed=3)
+    found = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            raw = gguf.quants.quantize(module.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            blocks = tensor_blocks("Q8_0", raw)
+            module.weight.copy_(blocks.dequantised())
+            found[id(module.weight)] = blocks
+    use_packed_attention(model)
+    layout = KVLayout.of(model)
+    for activations in ("float32", "q16"):  # float32 rows keep float32 keys and values; integer rows float16 ones
+        blocks = GGUFBlocks(model, tmp_path / "tiny.gguf", onednn_linear, activations, blocks=found)
+        if name not in COMPILED:
+            with pytest.raises(NotImplementedError, match="the compiled layers have no"):
+                BlockPass(model, blocks)
+            return
+        forward = BlockPass(model, blocks)
+        tolerance = 1e-3 if activations == "float32" else NEAR_TOLERANCE  # 16-bit rows: another arithmetic, within its bound
+        assert check_packed(model, layout.with_dtype(forward.kv_dtype), tolerance, forward=forward) <= tolerance
 
 
 def test_auto_takes_the_fused_pass_as_a_candidate(family):
@@ -188,9 +218,8 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0") -> None:
 def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
     """A Qwen3 GGUF file (Q8_0 projections, q/k norms, and a head size that is not hidden / heads,
     which transformers' reader drops and agentspec reads from the file) loads, and its "gguf" and
-    "gguf-q16" passes run every projection on the file's blocks in the fused pass (the compiled
-    layers take Llama's block only), checked against the loaded model, with greedy speculative ==
-    plain. One family: a GGUF load parses the tokenizer for most of a minute; the file's projections
+    "gguf-q16" passes run every projection on the file's blocks in one compiled call (the compiled
+    layers), checked against the loaded model, with greedy speculative == plain. One family: a GGUF load parses the tokenizer for most of a minute; the file's projections
     are named by arch.GGUF_PROJECTIONS for every family alike."""
     name = "qwen3"
     monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -203,6 +232,5 @@ def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
     for weights in ("gguf", "gguf-q16"):
         engine = Engine(read, weights=weights)
         engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
-        assert isinstance(engine.forward, FusedPass) and not isinstance(engine.forward, StaticPass)
-        assert all(isinstance(product, BlockProduct) for layer in engine.forward.layers for product in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert isinstance(engine.forward, BlockPass)
         assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0

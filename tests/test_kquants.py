@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import GGUF_TYPES, BlockLlamaPass, blocks_unsupported, read_blocks
+from agentspec.engine.blocks import GGUF_TYPES, BlockPass, blocks_unsupported, read_blocks
 from agentspec.engine.kv import KVLayout
 from agentspec.engine.packed import check_packed, use_packed_attention
 from agentspec.engine.weights import NEAR_TOLERANCE, pass_layout, select_weights
@@ -146,10 +146,10 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     model, layout = mixed.model, KVLayout.of(mixed.model)
     use_packed_attention(model)
     exact = select_weights(model, layout, "gguf", mixed.gguf_file)
-    assert isinstance(exact.forward, BlockLlamaPass)
+    assert isinstance(exact.forward, BlockPass)
     assert check_packed(model, layout, forward=exact.forward) <= 1e-3
     rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
-    assert isinstance(rounded, BlockLlamaPass)
+    assert isinstance(rounded, BlockPass)
     assert {layer.down.activations for layer in rounded.layers} == {"float32"}  # Q4_K, Q6_K
     assert rounded.layers[2].o.activations == "float32"  # Q5_1, read as unsigned bytes
     assert rounded.layers[0].qkv.activations == rounded.layers[1].qkv.activations == "q16"  # Q4_0 + Q5_0 + Q8_0; Q4_1

@@ -101,14 +101,17 @@ class Architecture:
     biases: tuple[str, ...] = field(default=())  # projections with biases (Qwen2: q/k/v)
 
     @property
-    def llama_block(self) -> bool:
-        """The plain Llama block: what the compiled layers of ``blocks.c`` compute."""
-        plain = Family(gguf_permuted=self.family.gguf_permuted)
-        return (
-            self.family == plain and self.activation in ("silu", "swish") and not self.biases
-            and all(layer.window is None and layer.rope == "" for layer in self.layers)
-            and self.embed_scale is None and self.attention_softcap is None and self.final_softcap is None
-        )
+    def compiled(self) -> str | None:
+        """Why the compiled decoder layers of ``blocks.c`` cannot run this block, or None when they
+        can: they take Llama's block with q/k/v biases, q/k norms, windows, layers without rotary,
+        partial rotary and a residual multiplier; the embedding and logits stay in Python."""
+        unsupported = [
+            ("norms after attention and MLP", self.family.sandwich), (f"a {self.activation} gate", self.activation not in ("silu", "swish")),
+            ("soft-capped attention", self.attention_softcap is not None), ("a rotary table per layer type", self.family.rotary_per_layer_type),
+            ("an output projection bias", "o_proj" in self.biases),
+        ]
+        missing = [what for what, present in unsupported if present]
+        return f"the compiled layers have no {', '.join(missing)} ({self.model_type})" if missing else None
 
 
 def describe(model: Any) -> Architecture:

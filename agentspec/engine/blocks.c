@@ -750,6 +750,11 @@ typedef struct {
     const float *norm1, *norm2;
     float eps1, eps2;
     agentspec_blocks qkv, o, gate_up, down;
+    const float *qkv_bias;        /* added to the q/k/v product's outputs (Qwen2), or NULL */
+    const float *q_norm, *k_norm; /* RMSNorm weights over each query / key head before the rotary embedding (Qwen3), or NULL */
+    float qk_eps;
+    int window;                   /* a token attends to the last `window` positions only (Mistral); 0: to all */
+    int rotary;                   /* 0: the layer has no rotary embedding (SmolLM3) */
 } agentspec_layer;
 
 typedef struct {
@@ -898,6 +903,14 @@ static void attend(int half, const float *q, int queries, int head_dim, const vo
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0)
 }
 
+/* hidden += delta (times `scale` where it is not 1: Granite's residual multiplier) */
+static void add_residual(float *hidden, const float *delta, size_t n, float scale) {
+    if (scale == 1.0f)
+        for (size_t i = 0; i < n; i++) hidden[i] += delta[i];
+    else
+        for (size_t i = 0; i < n; i++) hidden[i] += delta[i] * scale;
+}
+
 /* SiLU(gate) * up of one row, gate / (1 + e^-gate) as torch computes it; a tail of fewer than 16
    through a padded copy, so every element takes the same operations. */
 static void silu_times(const float *gate, const float *value, int n, float *act) {
@@ -916,11 +929,16 @@ static void silu_times(const float *gate, const float *value, int n, float *act)
     }
 }
 
-void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
-                            int layers, const agentspec_layer *weights, const float *cos, const float *sin, float scaling,
-                            const agentspec_segment *segments, int nseg, int kv_half, int threads) {
+/* The decoder layers of a pass (arch.py's block without the switches the Python pass keeps: sandwich
+   norms, GELU, soft-caps, a rotary table per layer kind): per layer RMSNorm, the q/k/v product (plus
+   its bias), per-head q/k RMSNorm, the rotary embedding of the first `rotary_dim` elements of each
+   head (cos, sin: [T, rotary_dim]), attention (within the layer's window), the output product, the
+   residual (times `residual_scale`), RMSNorm, gate/up, SiLU(gate) * up, down, the residual. */
+void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
+                      int layers, const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, float scaling,
+                      float residual_scale, const agentspec_segment *segments, int nseg, int kv_half, int threads) {
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
-    const int groups = heads / kv_heads, half = head_dim / 2;
+    const int groups = heads / kv_heads, half = rotary_dim / 2;
     int longest = 0;
     for (int s = 0; s < nseg; s++)
         if (segments[s].past + segments[s].stop - segments[s].start > longest) longest = segments[s].past + segments[s].stop - segments[s].start;
@@ -937,17 +955,25 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         const agentspec_layer *w = weights + l;
         rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
         blocks_product(&w->qkv, normed, T, H, qkv, width, threads);
-        /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin */
-        for (int t = 0; t < T; t++) {
-            const float *c = cos + (size_t)t * head_dim, *s = sin + (size_t)t * head_dim;
+        if (w->qkv_bias)
+            for (int t = 0; t < T; t++)
+                for (int i = 0; i < width; i++) qkv[(size_t)t * width + i] += w->qkv_bias[i];
+        if (w->q_norm) /* in place: each head's sum of squares is taken before it is written */
+            for (int t = 0; t < T; t++) {
+                rms_norm(qkv + (size_t)t * width, heads, head_dim, w->q_norm, w->qk_eps, qkv + (size_t)t * width);
+                rms_norm(qkv + (size_t)t * width + q_size, kv_heads, head_dim, w->k_norm, w->qk_eps, qkv + (size_t)t * width + q_size);
+            }
+        /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin over the first rotary_dim elements */
+        for (int t = 0; w->rotary && t < T; t++) {
+            const float *c = cos + (size_t)t * rotary_dim, *s = sin + (size_t)t * rotary_dim;
             for (int h = 0; h < heads + kv_heads; h++) {
                 float *x = qkv + (size_t)t * width + (size_t)h * head_dim;
-                float rotated[head_dim];
+                float rotated[rotary_dim];
                 for (int i = 0; i < half; i++) {
                     rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
                     rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
                 }
-                memcpy(x, rotated, sizeof(float) * head_dim);
+                memcpy(x, rotated, sizeof(float) * rotary_dim);
             }
         }
         /* this pass's keys and values into each sequence's block */
@@ -967,18 +993,20 @@ void agentspec_llama_layers(float *hidden, int T, int H, int heads, int kv_heads
         for (int job = 0; job < T * kv_heads; job++) {
             const int t = job / kv_heads, kvh = job % kv_heads;
             const agentspec_segment *seg = segments + segment_of[t];
-            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim, kv_head(seg, l, 0, kvh, kv_heads, head_dim, kv_half),
-                   kv_head(seg, l, 1, kvh, kv_heads, head_dim, kv_half), seg->past + (t - seg->start) + 1,
-                   scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
+            const int seen = seg->past + (t - seg->start) + 1, first = w->window && seen > w->window ? seen - w->window : 0;
+            const size_t skip = (size_t)first * head_dim * (kv_half ? 2 : 4); /* bytes of the keys (values) before the window */
+            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim,
+                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, kv_half) + skip, (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, kv_half) + skip,
+                   seen - first, scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }
         blocks_product(&w->o, attn, T, q_size, delta, H, threads);
-        for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
+        add_residual(hidden, delta, (size_t)T * H, residual_scale);
         rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
         blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads);
         for (int t = 0; t < T; t++) silu_times(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate, normed + (size_t)t * intermediate);
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
-        for (size_t i = 0; i < (size_t)T * H; i++) hidden[i] += delta[i];
+        add_residual(hidden, delta, (size_t)T * H, residual_scale);
     }
     free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(segment_of);
 }

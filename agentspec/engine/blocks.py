@@ -9,7 +9,7 @@ by those blocks directly, rounding each weight exactly as the GGUF reader dequan
 products are those of the loaded float32 weights (the sums in another order: within float32
 rounding of the model's own logits, like oneDNN's). It is row-invariant by construction (each
 output is one accumulator taking the same operations whatever shares the call), which verification
-needs. ``BlockLlamaPass`` runs the decoder layers around them in one compiled call as well.
+needs. ``BlockPass`` runs the decoder layers around them in one compiled call as well.
 
 The blocks are stored grouped (``Blocks.grouped``): a group of outputs' blocks side by side, so a
 product of one row streams one run of memory per tile of outputs instead of three per output (codes,
@@ -55,7 +55,7 @@ from .fused import FusedPass, Linear, LinearFactory, fused_unsupported
 from .packed import Segment
 
 __all__ = [
-    "GGUFBlocks", "read_blocks", "BlockLlamaPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "GGUF_TYPES", "tensor_blocks", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
+    "GGUFBlocks", "read_blocks", "BlockPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "GGUF_TYPES", "tensor_blocks", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
     "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels", "kernel_flags",
 ]
 
@@ -143,6 +143,8 @@ class _LayerArg(ctypes.Structure):
     _fields_ = [
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
         ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
+        ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
+        ("window", ctypes.c_int), ("rotary", ctypes.c_int),
     ]
 
 
@@ -235,11 +237,12 @@ def _build(name: str) -> ctypes.CDLL | str:
         layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
         getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
         getattr(kernels, symbol).restype = None
-    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, scaling, segments, nseg, kv_half, threads)
-    kernels.agentspec_llama_layers.argtypes = [
-        pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, ctypes.c_float, ctypes.POINTER(_SegmentArg), integer, integer, integer,
+    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, scaling, residual_scale, segments, nseg, kv_half, threads)
+    kernels.agentspec_layers.argtypes = [
+        pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, integer, ctypes.c_float, ctypes.c_float,
+        ctypes.POINTER(_SegmentArg), integer, integer, integer,
     ]
-    kernels.agentspec_llama_layers.restype = None
+    kernels.agentspec_layers.restype = None
     kernels.isa = name
     kernels.lanes = ctypes.c_int.in_dll(kernels, "agentspec_lanes").value
     return kernels
@@ -587,22 +590,25 @@ def _blocks_arg(product: BlockProduct) -> _BlocksArg:
     return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
 
 
-class BlockLlamaPass(FusedPass):
+class BlockPass(FusedPass):
     """The fused pass on the GGUF blocks with its decoder layers in one call of the compiled code
-    (``agentspec_llama_layers`` in blocks.c): the same operations in the same order, without the
-    ~120 framework calls a pass makes in Python (about half of a 1-position pass on the blocks).
-    Its logits are the loaded model's to float32 rounding (``check_packed``), and row-invariant:
-    each token's arithmetic reads only its own row and its sequence's keys and values.
+    (``agentspec_layers`` in blocks.c): the same operations in the same order, without the ~120
+    framework calls a pass makes in Python. It takes the blocks ``Architecture.compiled`` allows
+    (Llama's, with Qwen2's biases, Qwen3's q/k norms, Mistral's windows, SmolLM3's layers without
+    rotary, Phi-3's partial rotary, Granite's multipliers); the embedding and the logits stay in
+    Python. Its logits are the loaded model's to float32 rounding (``check_packed``), and
+    row-invariant: each token's arithmetic reads only its own row and its sequence's keys and values.
 
     It reads and writes key/value blocks of float32 or float16 (one dtype per pass). ``kv_dtype``
     is the one it is meant for: float32 on float32 rows (the loaded model's arithmetic), float16 on
     integer rows — another model's arithmetic already, and as llama.cpp stores its cache. Attention
-    streams a sequence's whole cache each token: at 400 tokens of context, 18 MB a token in float32,
-    for 8 sequences 147 MB, more than the weights' 96 MB."""
+    streams a sequence's whole cache (or window) each token, for long contexts more bytes than the
+    weights of a small model."""
 
     def __init__(self, model: Any, blocks: GGUFBlocks) -> None:
-        if not describe(model).llama_block:
-            raise NotImplementedError(f"the compiled layers compute Llama's block, not {model.config.model_type}'s (arch.py)")
+        reason = describe(model).compiled
+        if reason is not None:
+            raise NotImplementedError(reason)
         super().__init__(model, blocks.linear)
         if self.head_dim % 16 or self.head_dim > 128 or self.heads % self.kv_heads:
             raise NotImplementedError(f"the compiled layers take head dims of 16..128 in steps of 16, not {self.head_dim}")
@@ -612,16 +618,27 @@ class BlockLlamaPass(FusedPass):
         self.scaling = self.layers[0].spec.scaling
         if any(layer.spec.scaling != self.scaling for layer in self.layers):
             raise NotImplementedError("the compiled layers take one attention scale for all layers")
-        for layer in self.layers:  # the C side reads the norms' memory directly
-            assert all(norm.weight.is_contiguous() and norm.weight.dtype == torch.float32 for norm in (layer.norm1, layer.norm2))
-        self.function = blocks.kernels.agentspec_llama_layers
+        if any(layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps for layer in self.layers):
+            raise NotImplementedError("the compiled layers take one epsilon for a layer's query and key norms")
+        for layer in self.layers:  # the C side reads these tensors' memory directly
+            tensors = [layer.norm1.weight, layer.norm2.weight, *(t for t in (layer.qkv_bias,) if t is not None)]
+            tensors += [norm.weight for norm in (layer.q_norm, layer.k_norm) if norm is not None]
+            assert all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
+        self.function = blocks.kernels.agentspec_layers
         self.isa = blocks.kernels.isa  # the kernels' instruction-set level
         self.kv_dtype = torch.float16 if blocks.activations in INTEGER_ACTIVATIONS else torch.float32
+        self.residual_scale = 1.0 if self.arch.residual_scale is None else self.arch.residual_scale
+
+        def pointer(tensor: torch.Tensor | None) -> int | None:
+            return None if tensor is None else tensor.data_ptr()
+
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
                     layer.norm1.weight.data_ptr(), layer.norm2.weight.data_ptr(), layer.norm1.eps, layer.norm2.eps,
                     *(_blocks_arg(product) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                    pointer(layer.qkv_bias), pointer(layer.q_norm and layer.q_norm.weight), pointer(layer.k_norm and layer.k_norm.weight),
+                    layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0, layer.spec.rope is not None,
                 )
                 for layer in self.layers
             )
@@ -629,7 +646,8 @@ class BlockLlamaPass(FusedPass):
 
     def decoder_layers(self, hidden: torch.Tensor, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
-        cos, sin = (angles.contiguous() for angles in rotations[""])
+        none = torch.zeros(hidden.shape[0], 2)  # a model with no rotary layer reads no angles
+        cos, sin = (angles.contiguous() for angles in rotations.get("", (none, none)))
         dtypes = {s.block.data.dtype for s in segments}
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16}:
             raise ValueError(f"the compiled layers take key/value blocks of one dtype, float32 or float16, not {sorted(map(str, dtypes))}")
@@ -638,7 +656,7 @@ class BlockLlamaPass(FusedPass):
         )
         self.function(
             hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), self.scaling, args, len(segments), dtypes == {torch.float16},
-            torch.get_num_threads(),
+            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], self.scaling, self.residual_scale,
+            args, len(segments), dtypes == {torch.float16}, torch.get_num_threads(),
         )
         return hidden

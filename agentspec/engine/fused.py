@@ -126,7 +126,7 @@ class FusedPass:
         self.intermediate = arch.intermediate
         self.activation = ACTIVATIONS[arch.activation]
         self.embed = body.embed_tokens.weight
-        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=self.embed.dtype)
+        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=self.embed.dtype, device=self.embed.device)
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm, arch.family.norm_offset)
         self.norm, self.eps = self.final_norm.weight, self.final_norm.eps
@@ -138,7 +138,7 @@ class FusedPass:
     def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings [T, hidden] (scaled where the family scales them)."""
         hidden = F.embedding(ids, self.embed)
-        return hidden if self.embed_scale is None else hidden * self.embed_scale.to(hidden.device)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each rotary table's angles at ``positions`` [1, T]: {table: (cos, sin) [T, rotary dims]}."""

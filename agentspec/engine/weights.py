@@ -42,7 +42,7 @@ every pass, speculative decoding equals plain decoding on that pass, token for t
   from the e-mail, so it is never the default.
 - ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (exact integer dot
   products: two planes of bytes with VNNI, 16-bit integers without), a 256th of gguf-q8's rounding,
-  with keys and values cached as float16 (``BlockLlamaPass.kv_dtype``, as llama.cpp caches them).
+  with keys and values cached as float16 (``BlockPass.kv_dtype``, as llama.cpp caches them).
   The integer products take a fraction of the float multiply-adds' instructions, so a pass of several
   positions costs less, and its logits stay within ``NEAR_TOLERANCE`` of the loaded model's: not a
   visible change of model, but greedy decoding can part from float32 decoding where two tokens are
@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import Blocks, BlockLlamaPass, GGUFBlocks, blocks_unsupported, read_blocks
+from .blocks import Blocks, BlockPass, GGUFBlocks, blocks_unsupported, read_blocks
 from .fused import FusedPass, fused_unsupported
 from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
@@ -240,7 +240,7 @@ def fastest_pass_ms(forward: PassFunction, rows: list[PackedRow], repeats: int) 
 
 def pass_layout(layout: KVLayout, forward: PassFunction) -> KVLayout:
     """The key/value layout an engine runs ``forward`` on: ``layout``, stored in the pass's
-    ``kv_dtype`` where it names one (``BlockLlamaPass``: float16 on integer rows)."""
+    ``kv_dtype`` where it names one (``BlockPass``: float16 on integer rows)."""
     dtype = getattr(forward, "kv_dtype", None)
     return layout if dtype is None or dtype == layout.dtype else layout.with_dtype(dtype)
 
@@ -261,7 +261,7 @@ def _build(model: Any, name: str, gguf_file: Path | None = None, read: Callable[
             raise NotImplementedError(reason)
         blocks = GGUFBlocks(model, gguf_file, fallback=onednn_linear, activations=activations, blocks=read() if read else None)
         try:  # the decoder layers in one compiled call where every layer product has blocks
-            return BlockLlamaPass(model, blocks)
+            return BlockPass(model, blocks)
         except NotImplementedError as exc:
             log.info("GGUF blocks: the layers run from Python (%s)", exc)
             return FusedPass(model, blocks.linear)
