@@ -20,7 +20,6 @@ A template that shows no family syntax keeps agentspec's own tool section and ba
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -65,7 +64,8 @@ class ToolFormat:
 
 
 # In detection order: the first whose markers all appear in the template wins. Spellings are the
-# templates' own (Qwen2.5's and Hermes', Llama 3.1's JSON tool calling, Mistral v0.3's and Nemo's).
+# templates' own: Qwen2.5's (Hermes' tags), Llama 3.1's JSON tool calling, Mistral v0.3's list after
+# "[TOOL_CALLS] [" (and "[TOOL_CALLS][" for a template that writes no space there).
 FORMATS = (
     ToolFormat("hermes", ("<tool_call>",), '<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>'),
     ToolFormat("mistral", ("[TOOL_CALLS] [",), '{"name": "NAME", "arguments": ARGS}', "[TOOL_CALLS] [", ", ", "]", 9),

@@ -5,6 +5,11 @@ A forced call (``tool_choice="required"`` or a named function) is generated unde
 compact JSON, so the text is always ``{"name":"NAME","arguments":{...}}``. ``ToolCallParser`` turns
 that verified text into ``ToolCallDelta`` events (id and name only in the first) and a final
 ``ToolCall`` with parsed arguments.
+
+This bare JSON and the prompt section of ``with_tool_prompt`` are for models whose chat template has
+no tools (the default model). Where the template shows a family's own syntax (``<tool_call>`` tags,
+Llama's ``parameters``, Mistral's ``[TOOL_CALLS]`` list), ``formats`` writes calls in it and rewrites
+them into this text for the parser.
 """
 
 from __future__ import annotations
