@@ -189,7 +189,6 @@ async def _answer(requests: list[dict[str, Any]], model: Any, concurrency: int, 
     """The target's answers: per request, per sample, (prompt + answer token ids, prompt length)."""
     from ..client import Client
     from ..params import parse_params
-    from ..structured.tools import with_tool_prompt
     from ..types import SpecConfig
 
     sequences: list[list[tuple[int, list[int], int]]] = [[] for _ in requests]  # (sample, ids, prompt length)
@@ -205,8 +204,7 @@ async def _answer(requests: list[dict[str, Any]], model: Any, concurrency: int, 
             params = {k: v for k, v in request.items() if k != "messages"}
             params.setdefault("max_tokens", 160)
             parsed = parse_params(dict(params), default_spec=SpecConfig())
-            messages = with_tool_prompt(request["messages"], list(parsed.tools)) if parsed.tools else request["messages"]
-            prompt_ids = loaded.chat.encode(messages)
+            prompt_ids = loaded.chat.encode(request["messages"], parsed.tools)  # as serving renders them: the template's tool format, or agentspec's section
             sampling = {"temperature": 0.8, "seed": sample} if sample else {"temperature": 0}
             async with gate:
                 completion = await client.generate(request["messages"], **sampling, **params)
