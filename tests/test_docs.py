@@ -7,7 +7,10 @@ A page's blocks run in order in one namespace, like a session in ``python -m asy
 lends that same client (its arguments are still checked by a real ``Client``), so a page costs no
 model load and no second engine thread; ``asyncio.run(main())`` runs ``main()`` on the test's loop.
 ``Client(base_url=...)`` is real and talks to ``agentspec serve``'s app over the session client,
-served here on a free port in place of the address the pages show. Blocks that cannot run here
+served here on a free port in place of the address the pages show; the framework integrations'
+shared clients (``agentspec.bridge``) are such remote clients too, so no block starts a second
+engine thread in this process (which would slow every later test of this worker). Blocks without
+top-level ``await`` (synchronous framework calls) run on a thread, so the loop keeps serving. Blocks that cannot run here
 (shell commands, server launches) are ```bash or ```text, which this test does not run.
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 import pytest
 
 import agentspec
+from agentspec import bridge
 from agentspec.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,12 +61,33 @@ class _Lent:
         return None
 
 
+class _RemoteBridge(bridge.Backend):
+    """The integrations' bridge during a docs page: every shared client is ``Client(base_url=...)``
+    on the docs server, whatever model the framework object names."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    async def client(self, key: bridge.ClientKey) -> agentspec.Client:
+        start = self._starts.get(key)
+        if start is None:
+            start = self._starts[key] = asyncio.ensure_future(RealClient(base_url=self.url, api_key=DOCS_KEY).start())
+        return await asyncio.shield(start)
+
+
 @pytest.fixture(scope="module")
 async def docs_server(client: agentspec.Client):
-    """``agentspec serve``'s application over the session client, on a free loopback port."""
-    uvicorn = pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
-    from agentspec.serve.app import create_app
+    """``agentspec serve``'s application over the session client, on a free loopback port (None
+    without the serve extra: then only the pages that talk to a server are skipped)."""
+    try:
+        import openai  # noqa: F401  (the pages' server examples use it)
+        import uvicorn
 
+        from agentspec.serve.app import create_app
+    except ModuleNotFoundError:
+        yield None
+        return
     app = create_app(client, model_name=client.loaded.name, api_key=DOCS_KEY)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
@@ -75,10 +100,12 @@ async def docs_server(client: agentspec.Client):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
-async def test_python_blocks_run(page: Path, client: agentspec.Client, docs_server: str, monkeypatch) -> None:
+async def test_python_blocks_run(page: Path, client: agentspec.Client, docs_server: str | None, monkeypatch) -> None:
     blocks = python_blocks(page)
     if not blocks:
         pytest.skip(f"{page.name} has no python blocks")
+    if docs_server is None and any(DOCS_URL in code for _, code in blocks):
+        pytest.skip(f"{page.name} talks to agentspec serve: pip install 'agentspec[serve]'")
 
     def lend(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("base_url") is not None:
@@ -89,16 +116,25 @@ async def test_python_blocks_run(page: Path, client: agentspec.Client, docs_serv
     programs: list[Any] = []
     monkeypatch.setattr(agentspec, "Client", lend)
     monkeypatch.setattr(asyncio, "run", programs.append)  # a block's asyncio.run(main()): run below, on this loop
+    frameworks = _RemoteBridge(docs_server) if docs_server is not None else None
+    if frameworks is not None:
+        monkeypatch.setattr(bridge, "_backend", frameworks)
     namespace: dict[str, Any] = {"__name__": "__docs__", "KEY": DOCS_KEY}
-    for line, code in blocks:
-        code = code.replace(DOCS_URL, docs_server)
-        namespace["client"] = client
-        compiled = compile(code, f"{page.name}:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        result = eval(compiled, namespace)  # noqa: S307 - the repository's own documentation
-        if inspect.iscoroutine(result):
-            await result
-        while programs:
-            await programs.pop(0)
+    try:
+        for line, code in blocks:
+            if docs_server is not None:
+                code = code.replace(DOCS_URL, docs_server)
+            namespace["client"] = client
+            compiled = compile(code, f"{page.name}:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            if compiled.co_flags & inspect.CO_COROUTINE:
+                await eval(compiled, namespace)  # noqa: S307 - the repository's own documentation
+            else:
+                await asyncio.to_thread(eval, compiled, namespace)
+            while programs:
+                await programs.pop(0)
+    finally:
+        if frameworks is not None:
+            await asyncio.to_thread(frameworks.close)
 
 
 def test_api_reference_names_exactly_the_public_surface() -> None:
