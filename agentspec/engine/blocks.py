@@ -563,8 +563,8 @@ class BlockProduct:
             self.many = None
         else:
             # Two copies of the blocks, grouped for products of one or two rows and for more: one row
-            # streams its tile of 8 outputs' blocks as one run of memory (31 against 16 GB/s with three
-            # runs per output), but the 2- and 4-output tiles of more rows read groups of 8 ~20% slower.
+            # streams its tile of 8 outputs' blocks as one run of memory (about twice the bandwidth of
+            # three runs per output), but the 2- and 4-output tiles of more rows read groups of 8 slower.
             self.few, self.many = (blocks.grouped(group) for group in GROUPS)
         self.function = getattr(kernels, _SYMBOLS[blocks.kind, activations])
         self.outputs, self.inputs = blocks.shape

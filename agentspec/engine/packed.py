@@ -177,9 +177,8 @@ def sdpa(
     written out — scores, mask, softmax, weighted sum: every query a row of the same two products —
     with at least ``MIN_ATTENTION_ROWS`` rows (a plain step's 3 query heads per key head get a copy
     of the last), so every pass shape rounds a position alike, as verification needs
-    (``tests/test_weights.py``). This is torch's math kernel without its dispatch around it: 44
-    against 135 µs per call for one query over 200 keys here, 3 ms of a 1-position pass of the
-    default model. Elsewhere (CUDA, reduced precision: not the default on a CPU) the fused kernel
+    (``tests/test_weights.py``). This is torch's math kernel without its dispatch around it, a
+    call's fixed cost being most of a small model's attention. Elsewhere (CUDA, reduced precision: not the default on a CPU) the fused kernel
     runs as it is, except with ``softcap`` (Gemma 2: scores → tanh(scores / cap) · cap before the
     mask), which only the written-out form computes."""
     invariant = query.device.type == "cpu" and query.dtype == torch.float32
