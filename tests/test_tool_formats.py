@@ -26,7 +26,7 @@ from agentspec.structured.tools import ToolCallParser, call_schema, parse_tools
 from agentspec.types import SpecConfig
 
 from .conftest import decode, tiny_model
-from .test_tools import EMAIL, PARAMETERS, TOOLS, WEATHER
+from .test_tools import EMAIL, FLAGS, PARAMETERS, PING, TOOLS, WEATHER
 
 # Qwen2.5 (Hermes-style): tools in the system turn, each call in <tool_call> tags, results in a user
 # turn inside <tool_response> tags.
@@ -419,15 +419,7 @@ async def test_auto_answers_in_text_exactly_like_none(client, families):
 
 
 # Parallel calls: a random tiny model ends a call with the separator or the closing at random, so it
-# exercises several calls per reply (enum/boolean arguments keep each call short).
-FLAGS = {
-    "type": "function",
-    "function": {
-        "name": "set_flags",
-        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "on": {"type": "boolean"}}, "required": ["unit", "on"]},
-    },
-}
-PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+# exercises several calls per reply (test_tools' enum/boolean tools keep each call short).
 
 
 def test_a_list_of_calls_on_a_tiny_model(loaded, families):
