@@ -8,7 +8,10 @@ Not a pytest module (CI has no GPU). It runs the same engine code as on CPU with
    one sequence ≤ 3 ms), graphs captured (one per shape: repeating a shape captures nothing more),
    capture failures;
 3. single-stream speed against transformers' generate (plain and prompt lookup), same process;
-4. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT.
+4. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT;
+5. every model family of ``engine/arch.py`` (tests/test_families.py's tiny random models, every
+   switch on) on the static pass in bf16 and fp32: checked against the model's own forward at start,
+   greedy speculative == plain, graphs captured.
 Results are printed and written to ``DIR/cuda_check.json`` after each part (a timeout keeps what ran).
 It also runs on CPU (``--device cpu``) with small settings, to check the script itself.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -41,6 +45,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def decode_alone(engine: Engine, ids: list[int], spec: bool, max_tokens: int) -> list[int]:
+    seq = Sequence(list(ids), GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=spec)), max_new_tokens=max_tokens)
+    engine.start(seq)
+    while seq.finish_reason is None:
+        engine.step(seq)
+    engine.release(seq)
+    return seq.output_ids
+
+
 def equivalence(model: str | None, device: str, dtype: str, max_tokens: int, weights: str = "auto") -> dict:
     loaded = load_model(model, device=device, dtype=dtype)
     engine = Engine(loaded, weights=weights)
@@ -48,12 +61,7 @@ def equivalence(model: str | None, device: str, dtype: str, max_tokens: int, wei
     prompts = [loaded.chat.encode(w.messages) for w in WORKLOADS if not w.constrained]
 
     def alone(ids: list[int], spec: bool) -> list[int]:
-        seq = Sequence(list(ids), GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=spec)), max_new_tokens=max_tokens)
-        engine.start(seq)
-        while seq.finish_reason is None:
-            engine.step(seq)
-        engine.release(seq)
-        return seq.output_ids
+        return decode_alone(engine, ids, spec, max_tokens)
 
     def batched(spec: bool) -> list[list[int]]:
         seqs = [Sequence(list(ids), GenerationParams(max_tokens=max_tokens, spec=SpecConfig(enabled=spec)), max_new_tokens=max_tokens) for ids in prompts]
@@ -115,6 +123,33 @@ def static_pass(model: str | None, device: str, dtype: str, shapes: list[tuple[i
     }
 
 
+def families(device: str, dtype: str, max_tokens: int) -> dict:
+    """Each family of ``engine/arch.py`` as a tiny random model (tests/test_families.py) on the static
+    pass: the engine's start-up check against the model's own forward, then greedy speculative ==
+    plain; an error is reported per family, not raised."""
+    from agentspec.engine.arch import FAMILIES
+
+    from .test_families import family_model
+
+    default = load_model(None, device="cpu", dtype="float32")  # the tokenizer and chat format the tiny models share
+    torch_dtype = getattr(torch, dtype)
+    prompts = ["one two three one two three one two three one two", "The cat sat. The cat sat. The cat"]
+    report: dict = {}
+    for name in FAMILIES:
+        # bf16 keeps 8 bits: smaller weights keep the logits' magnitude, so its rounding, within the start-up check's 0.1
+        model = family_model(name, default.vocab_size, noise=0.3 if dtype == "float32" else 0.05).to(device=device, dtype=torch_dtype)
+        tiny = dataclasses.replace(default, name=f"tiny-{name}", model=model, device=torch.device(device), dtype=torch_dtype, context_window=512, gguf_file=None)
+        try:
+            engine = Engine(tiny, weights="static")
+            engine.calibrate(repeats=1)
+            ids = [tiny.chat.encode([{"role": "user", "content": prompt}]) for prompt in prompts]
+            differences = [first_difference(decode_alone(engine, i, False, max_tokens), decode_alone(engine, i, True, max_tokens)) for i in ids]
+            report[name] = {"speculative_vs_plain": differences, "captured": engine.forward.captured, "graph_failures": engine.forward.graph_failures}
+        except Exception as exc:  # one family's failure is a finding, not the end of the run
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return report
+
+
 async def speed(model: str | None, device: str, max_tokens: int | None, repeats: int, levels: list[int], report: dict, save) -> None:
     limits = agentspec.Limits(max_batch=max(levels))
     async with agentspec.Client(model, device=device, limits=limits) as client:
@@ -160,6 +195,9 @@ def main() -> None:
     shapes = [(1, 1), (1, 8), (8, 1), (8, 8), (32, 1), (32, 8)] if cuda else [(1, 1), (1, 8), (4, 1)]
     report["static_pass"] = static_pass(args.model, args.device, "auto", shapes)
     save()
+    for dtype in ("bfloat16", "float32") if cuda else ("float32",):
+        report[f"families_{dtype}"] = families(args.device, dtype, max_tokens=24)
+        save()
     levels = [int(n) for n in args.levels.split(",")]
     asyncio.run(speed(args.model, args.device, args.max_tokens, args.repeats, levels, report, save))
     report["seconds"] = round(time.perf_counter() - started, 1)

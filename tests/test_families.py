@@ -53,7 +53,9 @@ def test_every_family_has_a_test():
     assert set(_configs()) == set(FAMILIES)
 
 
-def family_model(family: str, vocab_size: int, seed: int = 0):
+def family_model(family: str, vocab_size: int, seed: int = 0, noise: float = 0.3):
+    """The family's tiny model, every weight (norms included) plus Gaussian ``noise``: large enough
+    that no switch hides behind an identity; reduced precision wants less (cuda_check's bf16)."""
     from transformers import AutoModelForCausalLM
 
     config = _configs()[family]()
@@ -62,7 +64,7 @@ def family_model(family: str, vocab_size: int, seed: int = 0):
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at identities (1, or Gemma's 0): perturb every weight
         for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.3)
+            parameter.add_(torch.randn_like(parameter) * noise)
     return model
 
 
