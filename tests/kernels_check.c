@@ -26,6 +26,8 @@ void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, floa
 void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+void agentspec_q4_1w_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
+void agentspec_q4_1w_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
 
 /* blocks.c's structs */
 typedef struct { int kind; const void *few, *many; } blocks_arg;
@@ -72,24 +74,28 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 }
 
 typedef struct {
-    int q8_0, N, K; /* q8_0: 0 for Q4_1, 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 3 for Q8_1 (unsigned) */
+    int q8_0, N, K; /* q8_0: 0 for Q4_1, 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 3 for Q8_1 (unsigned),
+                       4 for Q4_1 "wide" (Q4_K's: scales and minimums that are no float16 values, float32 in by_lanes) */
     uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them */
-    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values */
+    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the wide kind */
 } blocks;
 
+static int is_q4(int kind) { return kind == 0 || kind == 4; }
+
 static blocks make_blocks(int q8_0, int N, int K) {
-    const int nb = K / 32, bytes = q8_0 ? 32 : 16;
+    const int nb = K / 32, bytes = is_q4(q8_0) ? 16 : 32;
+    const float widen = q8_0 == 4 ? 1.0009765625f : 1.0f; /* 1 + 2^-10: products with 1..1000 need more than float16's 11 bits */
     blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
     for (size_t i = 0; i < (size_t)N * nb * bytes; i++) b.codes[i] = (uint8_t)next();
-    for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
-    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 == 1 || q8_0 == 2 ? 0.0f : -(float)(next() % 1000) / 8192.0f;
+    for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f * widen;
+    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 == 1 || q8_0 == 2 ? 0.0f : -(float)(next() % 1000) / 8192.0f * widen;
     return b;
 }
 
 static int code(const blocks *b, int n, int k) { /* weight k of output n's code */
-    const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (b->q8_0 ? 32 : 16);
+    const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (is_q4(b->q8_0) ? 16 : 32);
     if (b->q8_0 == 3) return c[k % 32];
-    return b->q8_0 ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
+    return !is_q4(b->q8_0) ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
 }
 
 static float weight(const blocks *b, int n, int k) { /* as the GGUF reader rounds it: a product, then a sum */
@@ -115,15 +121,22 @@ static uint8_t *grouped(const blocks *b, int G) {
 }
 
 /* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
-   codes 4j..4j+3 as the file packs them; Q8_0's + 128), then the scales (and minimums) as float16 */
+   codes 4j..4j+3 as the file packs them; Q8_0's + 128), then the scales (and minimums) as float16
+   (the wide kind's as float32) */
 static uint8_t *by_lanes(const blocks *b, int L) {
-    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + L - 1) / L, per = L * bytes + L * (b->q8_0 ? 2 : 4);
+    const int wide = b->q8_0 == 4, size = wide ? 4 : 2; /* bytes of a scale */
+    const int nb = b->K / 32, bytes = is_q4(b->q8_0) ? 16 : 32, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (is_q4(b->q8_0) ? 2 : 1);
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
             uint8_t *at = out + ((size_t)(n / L) * nb + k) * per;
             const size_t src = (size_t)n * nb + k;
-            for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = (uint8_t)(b->codes[src * bytes + i] + (b->q8_0 ? 128 : 0));
+            for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = (uint8_t)(b->codes[src * bytes + i] + (is_q4(b->q8_0) ? 0 : 128));
+            if (wide) {
+                memcpy(at + L * bytes + (n % L) * 4, b->d + src, 4);
+                memcpy(at + L * bytes + L * 4 + (n % L) * 4, b->m + src, 4);
+                continue;
+            }
             const uint16_t d = half_bits(b->d[src]), m = half_bits(b->m[src]);
             memcpy(at + L * bytes + (n % L) * 2, &d, 2);
             if (!b->q8_0) memcpy(at + L * bytes + L * 2 + (n % L) * 2, &m, 2);
@@ -146,6 +159,10 @@ static product make_product(const blocks *b, int activations) {
 
 static void run(const product *p, const float *x, int M, float *y, int threads) {
     const blocks *b = p->b;
+    if (b->q8_0 == 4) { /* integer rows only */
+        (p->activations == 1 ? agentspec_q4_1w_q8_product : agentspec_q4_1w_q16_product)(x, M, b->K, p->few, y, b->N, threads);
+        return;
+    }
     if (b->q8_0 >= 2) { /* float32 rows only */
         (b->q8_0 == 2 ? agentspec_q8_16_product : agentspec_q8_1_product)(x, M, b->K, p->few, p->many, y, b->N, threads);
         return;
@@ -194,7 +211,7 @@ static uint64_t check_product(int q8_0, int activations) {
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
     run(&p, x, M, all, 2);
-    const char *name = q8_0 == 3 ? "Q8_1" : q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
+    const char *name = q8_0 == 4 ? "Q4_1 wide" : q8_0 == 3 ? "Q8_1" : q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
     for (int r = 0; r < M; r++) {
         run(&p, x + (size_t)r * K, 1, part, 2);
         CHECK(memcmp(part, all + (size_t)r * N, sizeof(float) * N) == 0, "%s x %d-bit rows: row %d alone differs", name, 8 * activations, r);
@@ -283,6 +300,8 @@ int main(void) {
     for (int activations = 0; activations < 3; activations++)
         for (int q8_0 = 0; q8_0 < (activations ? 2 : 4); q8_0++) /* Q8_16, Q8_1: float32 rows only */
             printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
+    for (int activations = 1; activations < 3; activations++) /* Q4_K's blocks: float32 scales and minimums, integer rows only */
+        printf("product Q4_1-wide %s %016llx\n", rows[activations], (unsigned long long)check_product(4, activations));
     for (int activations = 0; activations < 3; activations += 2)
         for (int kv_half = 0; kv_half < 2; kv_half++)
             printf("layers %s %s-cache %016llx\n", rows[activations], kv_half ? "float16" : "float32", (unsigned long long)check_layers(activations, kv_half));

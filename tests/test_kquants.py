@@ -137,8 +137,9 @@ def mixed(loaded, tmp_path_factory):
 def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixed):
     """Every linear weight of the file is read from its blocks (so the decoder layers run in one
     compiled call), and the pass gives the loaded model's logits: float32 rows to float32 rounding;
-    16-bit rows within their tolerance, with Q4_K's and Q6_K's products on float32 rows (the integer
-    products keep scales as float16, which theirs are not)."""
+    16-bit rows within their tolerance — Q4_K's products on them too, with its scales kept as float32
+    ("wide": a super-block's scale times a 6-bit one is no float16 value), Q6_K's (a scale per 16)
+    and Q5_1's (unsigned bytes) on float32 rows."""
     import gguf
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}
@@ -150,7 +151,8 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     assert check_packed(model, layout, forward=exact.forward) <= 1e-3
     rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
     assert isinstance(rounded, BlockPass)
-    assert {layer.down.activations for layer in rounded.layers} == {"float32"}  # Q4_K, Q6_K
+    downs = [(layer.down.activations, layer.down.wide) for layer in rounded.layers]
+    assert downs == [(("float32", False), ("q16", True), ("float32", False))[i % 3] for i in range(len(downs))]  # Q6_K, Q4_K, Q6_K
     assert rounded.layers[2].o.activations == "float32"  # Q5_1, read as unsigned bytes
     assert rounded.layers[0].qkv.activations == rounded.layers[1].qkv.activations == "q16"  # Q4_0 + Q5_0 + Q8_0; Q4_1
     assert check_packed(model, pass_layout(layout, rounded), NEAR_TOLERANCE, forward=rounded) <= NEAR_TOLERANCE

@@ -135,6 +135,7 @@ INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
 INLINE vf vf_load_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf vf_load(const void *p) { return _mm512_loadu_ps((const float *)p); }
 INLINE void vf_store_first(float *p, vf a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
 INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 INLINE vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
@@ -250,6 +251,7 @@ INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
 INLINE vf vf_load_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vf vf_load(const void *p) { return _mm256_loadu_ps((const float *)p); }
 INLINE void vf_store_first(float *p, vf a, int n) { _mm256_maskstore_ps(p, below(n, 0), a); }
 INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
 INLINE vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -364,6 +366,7 @@ INLINE vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 INLINE vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
 INLINE vf vf_load_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+INLINE vf vf_load(const void *p) { return vld1q_f32((const float *)p); }
 INLINE void vf_store_first(float *p, vf a, int n) {
     float lanes[4];
     vst1q_f32(lanes, a);
@@ -570,14 +573,15 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
    Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
    its blocks in input order. A Q4_1 block: 4 registers of codes (register j, lane o: the byte holding
    codes 4j..4j+3 of output o in its low nibbles, 16+4j.. in its high ones, as the file packs them),
-   then the LANES scales and minimums as float16 (exactly the file's). A Q8_0 block: 8 registers of
+   then the LANES scales and minimums as float16 (exactly the file's) or, "wide", as float32 (Q4_K's:
+   a super-block's float16 scale times a 6-bit one is no float16 value). A Q8_0 block: 8 registers of
    codes + 128 (unsigned; the dot product subtracts 128 sum(a), exactly), then the float16 scales.
 
    Each (row, output) pair is one lane taking the same integer dot products and float multiply-adds
    in the same order (no horizontal sum), whatever else shares the call and whichever thread and level
    computes it. */
 
-#define INT_BYTES(q8_0) ((q8_0) ? LANES * 32 + LANES * 2 : LANES * 16 + LANES * 4) /* a group's block */
+#define INT_BYTES(q8_0, wide) ((q8_0) ? LANES * 32 + LANES * 2 : LANES * 16 + LANES * ((wide) ? 8 : 4)) /* a group's block */
 #define REGISTER (LANES * 4)                                                       /* bytes of codes per register */
 #define ROWS8 8                                                                    /* rows per tile, at most */
 #if AGENTSPEC_VNNI
@@ -645,8 +649,9 @@ static void quantise_rows(const float *x, int M, int K, const int planes, agents
    2^29, so exact whatever the order): with VNNI two chains of vpdpbusd (one per plane, or halves of
    the registers) to hide its latency; with vpmaddwd one chain of additions (1 cycle each), so 8 rows'
    sums stay in 16 ymm registers. */
-INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w, float *y, int N, int g) {
-    const int nb = K / 32, bytes = INT_BYTES(q8_0), codes = q8_0 ? LANES * 32 : LANES * 16;
+INLINE void int_tile(const int q8_0, const int planes, const int wide, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w, float *y, int N,
+                     int g) {
+    const int nb = K / 32, bytes = INT_BYTES(q8_0, wide), codes = q8_0 ? LANES * 32 : LANES * 16;
     vf acc[ROWS8];
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
@@ -691,8 +696,8 @@ INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *
             }
 #endif
         }
-        const vf d = vf_load_half(at + codes);
-        const vf m = q8_0 ? vf_zero() : vf_load_half(at + codes + 2 * LANES);
+        const vf d = wide ? vf_load(at + codes) : vf_load_half(at + codes);
+        const vf m = q8_0 ? vf_zero() : wide ? vf_load(at + codes + 4 * LANES) : vf_load_half(at + codes + 2 * LANES);
         UNROLL for (int r = 0; r < ROWS8; r++) {
             if (r < rows) {
                 const size_t rb = rows_at + r;
@@ -708,30 +713,34 @@ INLINE void int_tile(const int q8_0, const int planes, const agentspec_q8_rows *
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(Q8_0, PLANES, ROWS)                                                              \
+#define INT_CHUNK(Q8_0, PLANES, WIDE, ROWS)                                                        \
     {                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-        for (int g = 0; g < groups; g++) int_tile(Q8_0, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (int g = 0; g < groups; g++) int_tile(Q8_0, PLANES, WIDE, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
-#define INT_PRODUCT(Q8_0, PLANES)                                                                  \
+#define INT_PRODUCT(Q8_0, PLANES, WIDE)                                                            \
     const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                      \
     agentspec_q8_rows q = {malloc((size_t)M * nb * ROW_BYTES(PLANES)), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb), M}; \
     quantise_rows(x, M, K, PLANES, &q);                                                            \
     for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
         const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, M}; \
-        BY_COUNT(M - r0, INT_CHUNK, Q8_0, PLANES)                                                  \
+        BY_COUNT(M - r0, INT_CHUNK, Q8_0, PLANES, WIDE)                                            \
     }                                                                                              \
     free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
 
-/* w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. */
-void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1) }
+/* w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out ("wide": float32 scales and minimums). */
+void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1, 0) }
 
-void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 1) }
+void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 1, 0) }
 
-void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2) }
+void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2, 0) }
 
-void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 2) }
+void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 2, 0) }
+
+void agentspec_q4_1w_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1, 1) }
+
+void agentspec_q4_1w_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2, 1) }
 
 /* ==== The decoder layers of a Llama model in one call =============================================
    Everything between the embedding and the final norm: per layer RMSNorm, the q/k/v product, the
@@ -742,7 +751,8 @@ void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, flo
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
 typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; 4, 5: Q4_1, Q8_0 on 8-bit rows; 8, 9: on 16-bit rows */
+    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; 4, 5: Q4_1, Q8_0 on 8-bit rows; 8, 9: on 16-bit rows;
+                               plus 16: Q4_1 with float32 scales and minimums ("wide", Q4_K's) on integer rows */
     const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
 } agentspec_blocks;
 
@@ -812,6 +822,8 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
     case 5: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
     case 8: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
     case 9: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
+    case 20: agentspec_q4_1w_q8_product(x, M, K, w->few, y, N, threads); break;
+    case 24: agentspec_q4_1w_q16_product(x, M, K, w->few, y, N, threads); break;
     default: abort(); /* blocks.py: _blocks_arg */
     }
 }

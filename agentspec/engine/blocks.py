@@ -93,6 +93,9 @@ _SYMBOLS = {
     ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
     ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
 }
+# Q4_1 blocks whose scales or minimums are no float16 values (Q4_K's), on integer rows: float32 in the layout
+_WIDE_SYMBOLS = {("Q4_1", "q8"): "agentspec_q4_1w_q8_product", ("Q4_1", "q16"): "agentspec_q4_1w_q16_product"}
+WIDE_KIND = 16  # blocks.c: agentspec_blocks.kind of such blocks, added to their kind
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,7 @@ def _build(name: str) -> ctypes.CDLL | str:
     if not kernels.agentspec_cpu_runs_this():
         return f"{name}: this CPU does not run the kernels built for it"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    for (kind, activations), symbol in _SYMBOLS.items():  # (x, M, K, blocks [float32 rows: grouped for few rows, for many], y, N, threads)
+    for (kind, activations), symbol in (*_SYMBOLS.items(), *_WIDE_SYMBOLS.items()):  # (x, M, K, blocks [float32 rows: grouped for few rows, for many], y, N, threads)
         layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
         getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
         getattr(kernels, symbol).restype = None
@@ -347,13 +350,20 @@ class Blocks:
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
 
+    @property
+    def wide(self) -> bool:
+        """Whether the integer layout keeps these scales (and minimums) as float32: Q4_1 blocks
+        whose values are no float16 values (Q4_K's, a super-block's scale times a 6-bit one)."""
+        return self.kind == "Q4_1" and not all(torch.equal(v.to(torch.float16).float(), v) for v in (self.scales, self.mins))
+
     def by_lanes(self, lanes: int) -> torch.Tensor:
         """The blocks as the integer products of ``blocks.c`` read them, ``lanes`` outputs to a
         register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of ``lanes`` (the last
         padded with zeros); per group, its blocks in input order, each its codes as registers of
         ``lanes`` 4-byte lanes (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's
         packed two to a byte as in the file; Q8_0's plus 128, unsigned), then the ``lanes`` scales
-        (and minimums) as float16 — the file's own values: ``[groups, inputs / 32, bytes per block]``."""
+        (and minimums) as float16 — the file's own values — or, ``wide``, as float32:
+        ``[groups, inputs / 32, bytes per block]``."""
         reason = self.integer_unsupported()
         if reason is not None:
             raise NotImplementedError(reason)
@@ -365,18 +375,18 @@ class Blocks:
         registers = codes.shape[-1] // 4  # 4 for Q4_1 (16 bytes a block), 8 for Q8_0 (32)
         codes = codes.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
         parts = [codes]
+        dtype = torch.float32 if self.wide else torch.float16
         for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
-            half = torch.cat([values.to(torch.float16), values.new_zeros(pad, blocks, dtype=torch.float16)])
-            parts.append(half.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
+            scale = torch.cat([values.to(dtype), values.new_zeros(pad, blocks, dtype=dtype)])
+            parts.append(scale.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
 
     def integer_unsupported(self) -> str | None:
         """Why the integer products cannot take these blocks (``by_lanes``), or None when they can."""
         if self.kind not in INTEGER_TYPES:
             return "the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)"
-        for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
-            if not torch.equal(values.to(torch.float16).float(), values):
-                return "the integer products keep scales as float16, and these are not float16 values (Q4_K's are products of two scales)"
+        if self.kind == "Q8_0" and not torch.equal(self.scales.to(torch.float16).float(), self.scales):
+            return "the integer products keep Q8_0 scales as float16, and these are not float16 values"
         return None
 
     def rows(self, order: torch.Tensor) -> "Blocks":
@@ -566,7 +576,8 @@ class BlockProduct:
             # streams its tile of 8 outputs' blocks as one run of memory (about twice the bandwidth of
             # three runs per output), but the 2- and 4-output tiles of more rows read groups of 8 slower.
             self.few, self.many = (blocks.grouped(group) for group in GROUPS)
-        self.function = getattr(kernels, _SYMBOLS[blocks.kind, activations])
+        self.wide = activations in INTEGER_ACTIVATIONS and blocks.wide
+        self.function = getattr(kernels, (_WIDE_SYMBOLS if self.wide else _SYMBOLS)[blocks.kind, activations])
         self.outputs, self.inputs = blocks.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -586,7 +597,7 @@ def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None, activation
 
 
 def _blocks_arg(product: BlockProduct) -> _BlocksArg:
-    kind = BLOCK_TYPES.index(product.kind) + len(BLOCK_TYPES) * ACTIVATIONS.index(product.activations)  # blocks.c: agentspec_blocks.kind
+    kind = BLOCK_TYPES.index(product.kind) + len(BLOCK_TYPES) * ACTIVATIONS.index(product.activations) + WIDE_KIND * product.wide  # blocks.c: agentspec_blocks.kind
     return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
 
 
