@@ -764,7 +764,10 @@ typedef struct {
     const float *q_norm, *k_norm; /* RMSNorm weights over each query / key head before the rotary embedding (Qwen3), or NULL */
     float qk_eps;
     int window;                   /* a token attends to the last `window` positions only (Mistral); 0: to all */
-    int rotary;                   /* 0: the layer has no rotary embedding (SmolLM3) */
+    int rotary;                   /* 1 + the rotary table the layer reads (Gemma 3: one per layer type); 0: none (SmolLM3) */
+    const float *post_attention, *post_mlp; /* RMSNorm weights of attention's and the MLP's outputs (Gemma 2/3), or NULL */
+    float post_eps;
+    int gelu;                     /* the gate's activation: GELU, tanh approximation (Gemma), instead of SiLU */
 } agentspec_layer;
 
 typedef struct {
@@ -915,6 +918,27 @@ static void attend(int half, const float *q, int queries, int head_dim, const vo
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0)
 }
 
+/* GELU(gate) * up of one row, the tanh approximation as torch computes it (gelu_pytorch_tanh):
+   0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 / (e^2u + 1); a tail of fewer than
+   16 through a padded copy, so every element takes the same operations. */
+static void gelu_times(const float *gate, const float *value, int n, float *act) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 g = v16_load(gate + i);
+        const v16 u = v16_mul(v16_set1(0.7978845608028654f), v16_fmadd(v16_mul(v16_set1(0.044715f), g), v16_mul(g, g), g));
+        const v16 tanh = v16_sub(v16_set1(1.0f), v16_div(v16_set1(2.0f), v16_add(exp16(v16_add(u, u)), v16_set1(1.0f))));
+        const v16 gelu = v16_mul(v16_mul(v16_set1(0.5f), g), v16_add(v16_set1(1.0f), tanh));
+        v16_store(act + i, v16_mul(gelu, v16_load(value + i)));
+    }
+    if (i < n) {
+        float g[16] = {0}, u[16] = {0}, a[16];
+        memcpy(g, gate + i, sizeof(float) * (n - i));
+        memcpy(u, value + i, sizeof(float) * (n - i));
+        gelu_times(g, u, 16, a);
+        memcpy(act + i, a, sizeof(float) * (n - i));
+    }
+}
+
 /* hidden += delta (times `scale` where it is not 1: Granite's residual multiplier) */
 static void add_residual(float *hidden, const float *delta, size_t n, float scale) {
     if (scale == 1.0f)
@@ -941,11 +965,12 @@ static void silu_times(const float *gate, const float *value, int n, float *act)
     }
 }
 
-/* The decoder layers of a pass (arch.py's block without the switches the Python pass keeps: sandwich
-   norms, GELU, soft-caps, a rotary table per layer kind): per layer RMSNorm, the q/k/v product (plus
-   its bias), per-head q/k RMSNorm, the rotary embedding of the first `rotary_dim` elements of each
-   head (cos, sin: [T, rotary_dim]), attention (within the layer's window), the output product, the
-   residual (times `residual_scale`), RMSNorm, gate/up, SiLU(gate) * up, down, the residual. */
+/* The decoder layers of a pass (arch.py's block without the soft-caps the Python pass keeps): per
+   layer RMSNorm, the q/k/v product (plus its bias), per-head q/k RMSNorm, the rotary embedding of the
+   first `rotary_dim` elements of each head (cos, sin: [tables, T, rotary_dim], the layer's table),
+   attention (within the layer's window), the output product (RMSNorm'd where the layer has a post
+   norm), the residual (times `residual_scale`), RMSNorm, gate/up, SiLU or GELU(gate) * up, down (its
+   post norm), the residual. */
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
                       int layers, const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, float scaling,
                       float residual_scale, const agentspec_segment *segments, int nseg, int kv_half, int threads) {
@@ -977,7 +1002,8 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
             }
         /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin over the first rotary_dim elements */
         for (int t = 0; w->rotary && t < T; t++) {
-            const float *c = cos + (size_t)t * rotary_dim, *s = sin + (size_t)t * rotary_dim;
+            const size_t table = (size_t)(w->rotary - 1) * T;
+            const float *c = cos + (table + t) * rotary_dim, *s = sin + (table + t) * rotary_dim;
             for (int h = 0; h < heads + kv_heads; h++) {
                 float *x = qkv + (size_t)t * width + (size_t)h * head_dim;
                 float rotated[rotary_dim];
@@ -1013,11 +1039,15 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }
         blocks_product(&w->o, attn, T, q_size, delta, H, threads);
+        if (w->post_attention) rms_norm(delta, T, H, w->post_attention, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);
         rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
         blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads);
-        for (int t = 0; t < T; t++) silu_times(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate, normed + (size_t)t * intermediate);
+        for (int t = 0; t < T; t++)
+            (w->gelu ? gelu_times : silu_times)(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate,
+                                                normed + (size_t)t * intermediate);
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
+        if (w->post_mlp) rms_norm(delta, T, H, w->post_mlp, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);
     }
     free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(segment_of);

@@ -147,7 +147,8 @@ class _LayerArg(ctypes.Structure):
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
         ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
         ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
-        ("window", ctypes.c_int), ("rotary", ctypes.c_int),
+        ("window", ctypes.c_int), ("rotary", ctypes.c_int), ("post_attention", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
+        ("post_eps", ctypes.c_float), ("gelu", ctypes.c_int),
     ]
 
 
@@ -631,9 +632,11 @@ class BlockPass(FusedPass):
             raise NotImplementedError("the compiled layers take one attention scale for all layers")
         if any(layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps for layer in self.layers):
             raise NotImplementedError("the compiled layers take one epsilon for a layer's query and key norms")
+        if any(layer.post_attention is not None and layer.post_attention.eps != layer.post_mlp.eps for layer in self.layers):
+            raise NotImplementedError("the compiled layers take one epsilon for a layer's two post norms")
         for layer in self.layers:  # the C side reads these tensors' memory directly
             tensors = [layer.norm1.weight, layer.norm2.weight, *(t for t in (layer.qkv_bias,) if t is not None)]
-            tensors += [norm.weight for norm in (layer.q_norm, layer.k_norm) if norm is not None]
+            tensors += [norm.weight for norm in (layer.q_norm, layer.k_norm, layer.post_attention, layer.post_mlp) if norm is not None]
             assert all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
         self.function = blocks.kernels.agentspec_layers
         self.isa = blocks.kernels.isa  # the kernels' instruction-set level
@@ -643,13 +646,18 @@ class BlockPass(FusedPass):
         def pointer(tensor: torch.Tensor | None) -> int | None:
             return None if tensor is None else tensor.data_ptr()
 
+        gelu = self.arch.activation == "gelu_pytorch_tanh"
+
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
                     layer.norm1.weight.data_ptr(), layer.norm2.weight.data_ptr(), layer.norm1.eps, layer.norm2.eps,
                     *(_blocks_arg(product) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     pointer(layer.qkv_bias), pointer(layer.q_norm and layer.q_norm.weight), pointer(layer.k_norm and layer.k_norm.weight),
-                    layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0, layer.spec.rope is not None,
+                    layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0,
+                    0 if layer.spec.rope is None else 1 + self.ropes.index(layer.spec.rope),  # 1 + its table's index in the stacked angles
+                    pointer(layer.post_attention and layer.post_attention.weight), pointer(layer.post_mlp and layer.post_mlp.weight),
+                    layer.post_attention.eps if layer.post_attention is not None else 0.0, gelu,
                 )
                 for layer in self.layers
             )
@@ -657,8 +665,9 @@ class BlockPass(FusedPass):
 
     def decoder_layers(self, hidden: torch.Tensor, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
-        none = torch.zeros(hidden.shape[0], 2)  # a model with no rotary layer reads no angles
-        cos, sin = (angles.contiguous() for angles in rotations.get("", (none, none)))
+        # every rotary table's angles stacked [tables, T, rotary dims], in self.ropes' order (a model with no rotary layer reads none)
+        tables = [rotations[rope] for rope in self.ropes] or [(torch.zeros(hidden.shape[0], 2),) * 2]
+        cos, sin = (torch.stack([table[i] for table in tables]).contiguous() for i in (0, 1))
         dtypes = {s.block.data.dtype for s in segments}
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16}:
             raise ValueError(f"the compiled layers take key/value blocks of one dtype, float32 or float16, not {sorted(map(str, dtypes))}")
