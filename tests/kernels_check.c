@@ -41,6 +41,7 @@ typedef struct {
     const float *post_attention, *post_mlp;
     float post_eps;
     int gelu;
+    float softcap;
 } layer_arg;
 typedef struct { int start, stop, past, capacity; void *kv; } segment_arg;
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
@@ -238,8 +239,8 @@ static uint64_t check_product(int q8_0, int activations) {
 /* The decoder layers of a tiny random model: 2 layers, hidden 64, 4 query heads and 2 key/value heads
    of 16, MLP 96; products on Q4_1 blocks (the down product on Q8_0) times float32 or 16-bit rows. The
    second layer has every switch of the described blocks on: q/k/v biases, q/k norms, a window of 3
-   positions, no rotary embedding, norms after attention and MLP, a GELU gate; the residuals are
-   scaled by 0.5. */
+   positions, no rotary embedding, norms after attention and MLP, a GELU gate, scores soft-capped at
+   2; the residuals are scaled by 0.5. */
 enum { LAYERS = 2, H = 64, HEADS = 4, KV_HEADS = 2, HEAD_DIM = 16, MLP = 96, CAPACITY = 16 };
 
 static uint64_t check_layers(int activations, int kv_half) {
@@ -259,10 +260,11 @@ static uint64_t check_layers(int activations, int kv_half) {
         for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
         blocks_arg args[4];
         for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 4 * activations, products[l][i].few, products[l][i].many};
-        layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3], NULL, NULL, NULL, 0.0f, 0, 1, NULL, NULL, 0.0f, 0};
+        layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3], NULL, NULL, NULL, 0.0f, 0, 1, NULL, NULL, 0.0f, 0, 0.0f};
         if (l == 1)
             layers[l].qkv_bias = bias, layers[l].q_norm = qk_norms[0], layers[l].k_norm = qk_norms[1], layers[l].qk_eps = 1e-6f, layers[l].window = 3,
-            layers[l].rotary = 0, layers[l].post_attention = post[0], layers[l].post_mlp = post[1], layers[l].post_eps = 1e-6f, layers[l].gelu = 1;
+            layers[l].rotary = 0, layers[l].post_attention = post[0], layers[l].post_mlp = post[1], layers[l].post_eps = 1e-6f, layers[l].gelu = 1,
+            layers[l].softcap = 2.0f;
     }
     const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
     void *kv_a = calloc(kv_bytes, 1), *kv_b = calloc(kv_bytes, 1), *kv_alone = calloc(kv_bytes, 1);

@@ -28,7 +28,6 @@ from .conftest import decode, drafted_matching_plain
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
-COMPILED = tuple(family for family in FAMILIES if family != "gemma2")  # blocks.c runs their layers; Gemma 2 soft-caps its attention scores
 
 
 def _configs():
@@ -83,7 +82,7 @@ def test_description_reads_the_block(family):
     expected = {"mistral": [5] * 4, "qwen2": [None, None, 4, 4], "gemma2": [4, None] * 2, "gemma3_text": [4, None] * 2}
     assert windows == expected.get(name, [None] * 4)
     assert ("q_proj" in arch.biases) == (name == "qwen2")
-    assert (arch.compiled is None) == (name in COMPILED), arch.compiled  # the compiled layers take all but Gemma 2's blocks
+    assert arch.compiled is None, arch.compiled  # blocks.c runs every family's layers
     if name == "smollm3":
         assert [layer.rope for layer in arch.layers] == ["", None, "", None]
     if name == "gemma2":
@@ -103,7 +102,7 @@ def test_fused_and_static_passes_give_the_models_logits(family):
 def test_compiled_layers_give_the_models_logits(family, tmp_path):
     """The compiled decoder layers (blocks.c) on Q8_0 blocks of the family's projections — the model's
     weights replaced by the blocks' values, as a GGUF file's are — give the model's logits to float32
-    rounding, on float32 and on float16 keys and values; a block they do not compute is refused."""
+    rounding, on float32 and on float16 keys and values."""
     import gguf
 
     name, tiny = family
@@ -119,10 +118,6 @@ def test_compiled_layers_give_the_models_logits(family, tmp_path):
     layout = KVLayout.of(model)
     for activations in ("float32", "q16"):  # float32 rows keep float32 keys and values; integer rows float16 ones
         blocks = GGUFBlocks(model, tmp_path / "tiny.gguf", onednn_linear, activations, blocks=found)
-        if name not in COMPILED:
-            with pytest.raises(NotImplementedError, match="the compiled layers have no"):
-                BlockPass(model, blocks)
-            return
         forward = BlockPass(model, blocks)
         tolerance = 1e-3 if activations == "float32" else NEAR_TOLERANCE  # 16-bit rows: another arithmetic, within its bound
         assert check_packed(model, layout.with_dtype(forward.kv_dtype), tolerance, forward=forward) <= tolerance
@@ -236,3 +231,12 @@ def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
         engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
         assert isinstance(engine.forward, BlockPass)
         assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0
+
+
+def test_compiled_layers_refuse_what_they_do_not_compute():
+    """A block with a switch blocks.c has not (an output projection bias) is refused with the reason;
+    the fused pass, which has it, still runs it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, vocab_size=64, attention_bias=True))
+    assert describe(model).compiled == "the compiled layers do not compute an output projection bias (llama)"

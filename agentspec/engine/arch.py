@@ -103,14 +103,14 @@ class Architecture:
     @property
     def compiled(self) -> str | None:
         """Why the compiled decoder layers of ``blocks.c`` cannot run this block, or None when they
-        can: they take every switch but soft-capped attention (Gemma 2), an output projection bias
-        and the exact (erf) GELU; the embedding and the logits stay in Python."""
+        can: they take every switch but an output projection bias and the exact (erf) GELU; the
+        embedding and the logits stay in Python."""
         unsupported = [
-            ("soft-capped attention", self.attention_softcap is not None), ("an output projection bias", "o_proj" in self.biases),
+            ("an output projection bias", "o_proj" in self.biases),
             (f"a {self.activation} gate", self.activation not in ("silu", "swish", "gelu_pytorch_tanh")),
         ]
         missing = [what for what, present in unsupported if present]
-        return f"the compiled layers have no {', '.join(missing)} ({self.model_type})" if missing else None
+        return f"the compiled layers do not compute {' or '.join(missing)} ({self.model_type})" if missing else None
 
 
 def describe(model: Any) -> Architecture:

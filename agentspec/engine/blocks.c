@@ -768,6 +768,7 @@ typedef struct {
     const float *post_attention, *post_mlp; /* RMSNorm weights of attention's and the MLP's outputs (Gemma 2/3), or NULL */
     float post_eps;
     int gelu;                     /* the gate's activation: GELU, tanh approximation (Gemma), instead of SiLU */
+    float softcap;                /* attention scores soft-capped: tanh(score / cap) * cap (Gemma 2); 0: not */
 } agentspec_layer;
 
 typedef struct {
@@ -815,6 +816,9 @@ INLINE v16 exp16(v16 x) {
     return v16_scale2(p, n);
 }
 
+/* tanh(u) = 1 - 2 / (e^2u + 1), 16 lanes: -1 and 1 where e^2u saturates */
+INLINE v16 tanh16(v16 u) { return v16_sub(v16_set1(1.0f), v16_div(v16_set1(2.0f), v16_add(exp16(v16_add(u, u)), v16_set1(1.0f)))); }
+
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
     switch (w->kind) {
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
@@ -857,7 +861,7 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
    same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
    summed by v16_sums' tree, and a head's values are summed in key order. */
 INLINE void attend_chunks(const int chunks, const int half, const float *q, int queries, const void *keys, const void *values, int seen, float scaling,
-                          float *p, size_t stride, float *out) {
+                          float softcap, float *p, size_t stride, float *out) {
     const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
     for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
         const int live = seen - s0 < 16 ? seen - s0 : 16;
@@ -871,7 +875,10 @@ INLINE void attend_chunks(const int chunks, const int half, const float *q, int 
                     UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = v16_fmadd(query[i], load_kv(keys, k + 16 * i, half), dots[j]);
                 }
             }
-            v16_store_first(p + h * stride + s0, v16_mul(v16_sums(dots), v16_set1(scaling)), live);
+            v16 scores = v16_mul(v16_sums(dots), v16_set1(scaling));
+            if (softcap > 0.0f) /* Gemma 2: tanh(score / cap) * cap */
+                scores = v16_mul(tanh16(v16_div(scores, v16_set1(softcap))), v16_set1(softcap));
+            v16_store_first(p + h * stride + s0, scores, live);
         }
     }
     float total[queries];
@@ -908,10 +915,10 @@ INLINE void attend_chunks(const int chunks, const int half, const float *q, int 
     }
 }
 
-#define ATTEND_CHUNKS(HALF, CHUNKS) attend_chunks(CHUNKS, HALF, q, queries, keys, values, seen, scaling, p, stride, out);
+#define ATTEND_CHUNKS(HALF, CHUNKS) attend_chunks(CHUNKS, HALF, q, queries, keys, values, seen, scaling, softcap, p, stride, out);
 
-static void attend(int half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling, float *p,
-                   size_t stride, float *out) {
+static void attend(int half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling, float softcap,
+                   float *p, size_t stride, float *out) {
     if (half) /* head_dim <= 128 (blocks.py) */
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1)
     else
@@ -926,8 +933,7 @@ static void gelu_times(const float *gate, const float *value, int n, float *act)
     for (; i + 16 <= n; i += 16) {
         const v16 g = v16_load(gate + i);
         const v16 u = v16_mul(v16_set1(0.7978845608028654f), v16_fmadd(v16_mul(v16_set1(0.044715f), g), v16_mul(g, g), g));
-        const v16 tanh = v16_sub(v16_set1(1.0f), v16_div(v16_set1(2.0f), v16_add(exp16(v16_add(u, u)), v16_set1(1.0f))));
-        const v16 gelu = v16_mul(v16_mul(v16_set1(0.5f), g), v16_add(v16_set1(1.0f), tanh));
+        const v16 gelu = v16_mul(v16_mul(v16_set1(0.5f), g), v16_add(v16_set1(1.0f), tanh16(u)));
         v16_store(act + i, v16_mul(gelu, v16_load(value + i)));
     }
     if (i < n) {
@@ -965,10 +971,10 @@ static void silu_times(const float *gate, const float *value, int n, float *act)
     }
 }
 
-/* The decoder layers of a pass (arch.py's block without the soft-caps the Python pass keeps): per
+/* The decoder layers of a pass (arch.py's block; the embedding and the logits stay in Python): per
    layer RMSNorm, the q/k/v product (plus its bias), per-head q/k RMSNorm, the rotary embedding of the
    first `rotary_dim` elements of each head (cos, sin: [tables, T, rotary_dim], the layer's table),
-   attention (within the layer's window), the output product (RMSNorm'd where the layer has a post
+   attention (within the layer's window, scores soft-capped where it caps them), the output product (RMSNorm'd where the layer has a post
    norm), the residual (times `residual_scale`), RMSNorm, gate/up, SiLU or GELU(gate) * up, down (its
    post norm), the residual. */
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
@@ -1035,7 +1041,7 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
             const size_t skip = (size_t)first * head_dim * (kv_half ? 2 : 4); /* bytes of the keys (values) before the window */
             attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim,
                    (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, kv_half) + skip, (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, kv_half) + skip,
-                   seen - first, scaling, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
+                   seen - first, scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }
         blocks_product(&w->o, attn, T, q_size, delta, H, threads);

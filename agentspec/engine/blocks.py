@@ -148,7 +148,7 @@ class _LayerArg(ctypes.Structure):
         ("qkv", _BlocksArg), ("o", _BlocksArg), ("gate_up", _BlocksArg), ("down", _BlocksArg),
         ("qkv_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
         ("window", ctypes.c_int), ("rotary", ctypes.c_int), ("post_attention", ctypes.c_void_p), ("post_mlp", ctypes.c_void_p),
-        ("post_eps", ctypes.c_float), ("gelu", ctypes.c_int),
+        ("post_eps", ctypes.c_float), ("gelu", ctypes.c_int), ("softcap", ctypes.c_float),
     ]
 
 
@@ -606,8 +606,9 @@ class BlockPass(FusedPass):
     """The fused pass on the GGUF blocks with its decoder layers in one call of the compiled code
     (``agentspec_layers`` in blocks.c): the same operations in the same order, without the ~120
     framework calls a pass makes in Python. It takes the blocks ``Architecture.compiled`` allows
-    (Llama's, with Qwen2's biases, Qwen3's q/k norms, Mistral's windows, SmolLM3's layers without
-    rotary, Phi-3's partial rotary, Granite's multipliers); the embedding and the logits stay in
+    (every family of ``arch.py``: Qwen2's biases, Qwen3's q/k norms, Mistral's windows, SmolLM3's
+    layers without rotary, Phi-3's partial rotary, Granite's multipliers, Gemma's GELU, post norms,
+    rotary tables per layer type and soft-capped scores); the embedding and the logits stay in
     Python. Its logits are the loaded model's to float32 rounding (``check_packed``), and
     row-invariant: each token's arithmetic reads only its own row and its sequence's keys and values.
 
@@ -657,7 +658,7 @@ class BlockPass(FusedPass):
                     layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0,
                     0 if layer.spec.rope is None else 1 + self.ropes.index(layer.spec.rope),  # 1 + its table's index in the stacked angles
                     pointer(layer.post_attention and layer.post_attention.weight), pointer(layer.post_mlp and layer.post_mlp.weight),
-                    layer.post_attention.eps if layer.post_attention is not None else 0.0, gelu,
+                    layer.post_attention.eps if layer.post_attention is not None else 0.0, gelu, self.arch.attention_softcap or 0.0,
                 )
                 for layer in self.layers
             )
