@@ -3,8 +3,9 @@
    machine: tests/test_blocks.py builds this for every level and compares what each prints).
 
    For Q4_1 and Q8_0 blocks (random codes, scales that are float16 values) times float32, 8-bit and
-   16-bit rows, and Q8_16 (a scale per 16 weights) and Q8_1 (unsigned bytes, a minimum) blocks times
-   float32 rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
+   16-bit rows, Q8_16 (a scale per 16 weights) and Q8_1 (unsigned bytes, a minimum) blocks times
+   float32 rows, and the codes of Q4_0, Q5_0, Q5_1 and the K-quants' scales (no float16 values) in
+   the integer products' 4- and 5-bit layouts times 8- and 16-bit rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
    subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
    dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
    decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
@@ -22,13 +23,7 @@ void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const
 void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-void agentspec_q4_1w_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-void agentspec_q4_1w_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads);
-
+void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads);
 /* blocks.c's structs */
 typedef struct { int kind; const void *few, *many; } blocks_arg;
 typedef struct {
@@ -77,41 +72,53 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
     return bits;
 }
 
+/* The blocks checked: the kernels' four block types, and the GGUF types whose codes or scales the
+   integer products read in layouts of their own (Q4_1-wide: Q4_K's scales and minimums, no float16
+   values; Q4_0 and Q5_0: Q8_0's blocks with 4- and 5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes) */
+enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_1_WIDE, Q4_0, Q5_0, Q5_1, Q5_K, KINDS };
+static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_1-wide", "Q4_0", "Q5_0", "Q5_1", "Q5_K"};
+static const int base[KINDS] = {Q4_1, Q8_0, Q8_16, Q8_1, Q4_1, Q8_0, Q8_0, Q8_1, Q8_1}; /* the block type its codes are stored as */
+
 typedef struct {
-    int q8_0, N, K; /* q8_0: 0 for Q4_1, 1 for Q8_0, 2 for Q8_16 (a scale per 16 weights), 3 for Q8_1 (unsigned),
-                       4 for Q4_1 "wide" (Q4_K's: scales and minimums that are no float16 values, float32 in by_lanes) */
-    uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them */
-    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the wide kind */
+    int kind, N, K;
+    uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them (Q8_0, Q8_16: signed) */
+    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the wide kinds */
 } blocks;
 
-static int is_q4(int kind) { return kind == 0 || kind == 4; }
+static int has_mins(int kind) { return base[kind] == Q4_1 || base[kind] == Q8_1; }
+static int is_wide(int kind) { return kind == Q4_1_WIDE || kind == Q5_K; }
 
-static blocks make_blocks(int q8_0, int N, int K) {
-    const int nb = K / 32, bytes = is_q4(q8_0) ? 16 : 32;
-    const float widen = q8_0 == 4 ? 1.0009765625f : 1.0f; /* 1 + 2^-10: products with 1..1000 need more than float16's 11 bits */
-    blocks b = {q8_0, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
-    for (size_t i = 0; i < (size_t)N * nb * bytes; i++) b.codes[i] = (uint8_t)next();
+static blocks make_blocks(int kind, int N, int K) {
+    const int nb = K / 32, bytes = base[kind] == Q4_1 ? 16 : 32;
+    const float widen = is_wide(kind) ? 1.0009765625f : 1.0f; /* 1 + 2^-10: products with 1..1000 need more than float16's 11 bits */
+    blocks b = {kind, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
+    for (size_t i = 0; i < (size_t)N * nb * bytes; i++) {
+        const uint32_t r = next();
+        b.codes[i] = kind == Q4_0 ? (uint8_t)(int8_t)((int)(r % 16) - 8) : kind == Q5_0 ? (uint8_t)(int8_t)((int)(r % 32) - 16)
+                   : kind == Q5_1 || kind == Q5_K ? (uint8_t)(r % 32) : (uint8_t)r;
+    }
     for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f * widen;
-    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = q8_0 == 1 || q8_0 == 2 ? 0.0f : -(float)(next() % 1000) / 8192.0f * widen;
+    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = has_mins(kind) ? -(float)(next() % 1000) / 8192.0f * widen : 0.0f;
     return b;
 }
 
 static int code(const blocks *b, int n, int k) { /* weight k of output n's code */
-    const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (is_q4(b->q8_0) ? 16 : 32);
-    if (b->q8_0 == 3) return c[k % 32];
-    return !is_q4(b->q8_0) ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
+    const int kind = base[b->kind];
+    const uint8_t *c = b->codes + ((size_t)n * (b->K / 32) + k / 32) * (kind == Q4_1 ? 16 : 32);
+    if (kind == Q8_1) return c[k % 32];
+    return kind != Q4_1 ? (int)(int8_t)c[k % 32] : (k % 32 < 16 ? c[k % 32] & 15 : c[k % 32 - 16] >> 4);
 }
 
 static float weight(const blocks *b, int n, int k) { /* as the GGUF reader rounds it: a product, then a sum */
     const size_t at = (size_t)n * (b->K / 32) + k / 32;
-    const float product = (b->q8_0 == 2 ? b->d[(size_t)n * (b->K / 16) + k / 16] : b->d[at]) * (float)code(b, n, k);
-    return b->q8_0 == 1 || b->q8_0 == 2 ? product : product + b->m[at];
+    const float product = (b->kind == Q8_16 ? b->d[(size_t)n * (b->K / 16) + k / 16] : b->d[at]) * (float)code(b, n, k);
+    return has_mins(b->kind) ? product + b->m[at] : product;
 }
 
 /* Blocks.grouped(G): per group of G outputs, per block, the G outputs' codes, scales, minimums (float32) */
 static uint8_t *grouped(const blocks *b, int G) {
-    const int nb = b->K / 32, bytes = b->q8_0 ? 32 : 16, groups = (b->N + G - 1) / G, scales = b->q8_0 == 2 ? 2 : 1;
-    const int mins = b->q8_0 == 0 || b->q8_0 == 3, per = G * (bytes + 4 * scales + 4 * mins);
+    const int kind = base[b->kind], nb = b->K / 32, bytes = kind == Q4_1 ? 16 : 32, groups = (b->N + G - 1) / G, scales = kind == Q8_16 ? 2 : 1;
+    const int mins = has_mins(kind), per = G * (bytes + 4 * scales + 4 * mins);
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
@@ -124,26 +131,42 @@ static uint8_t *grouped(const blocks *b, int G) {
     return out;
 }
 
+/* The integer products' layout of a kind (Blocks.integer_layout): codes 0 (bytes), 1 (4-bit) or 2
+   (5-bit), minimums, wide scales; its number times 1 or 2 planes (blocks.c: INT_LAYOUT) */
+static int codes_of(int kind) { return kind == Q8_0 ? 0 : kind == Q4_1 || kind == Q4_1_WIDE || kind == Q4_0 ? 1 : 2; }
+static int layout_number(int kind, int planes) { return ((codes_of(kind) * 2 + has_mins(kind)) * 2 + is_wide(kind)) * 2 + planes - 1; }
+
 /* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
-   codes 4j..4j+3 as the file packs them; Q8_0's + 128), then the scales (and minimums) as float16
-   (the wide kind's as float32) */
+   codes 4j..4j+3 as bytes, plus 128; or 4-bit codes as the file packs them, then a register of fifth
+   bits, bit 8i + j code 4j + i's), then the scales (and minimums) as float16 (wide: float32) */
 static uint8_t *by_lanes(const blocks *b, int L) {
-    const int wide = b->q8_0 == 4, size = wide ? 4 : 2; /* bytes of a scale */
-    const int nb = b->K / 32, bytes = is_q4(b->q8_0) ? 16 : 32, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (is_q4(b->q8_0) ? 2 : 1);
+    const int codes = codes_of(b->kind), mins = has_mins(b->kind), size = is_wide(b->kind) ? 4 : 2; /* bytes of a scale */
+    const int nb = b->K / 32, bytes = codes == 0 ? 32 : codes == 1 ? 16 : 20, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (mins ? 2 : 1);
+    const int offset = mins ? 0 : codes == 0 ? 128 : codes == 1 ? 8 : 16;
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
-            uint8_t *at = out + ((size_t)(n / L) * nb + k) * per;
+            uint8_t *at = out + ((size_t)(n / L) * nb + k) * per, stored[32];
             const size_t src = (size_t)n * nb + k;
-            for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = (uint8_t)(b->codes[src * bytes + i] + (is_q4(b->q8_0) ? 0 : 128));
-            if (wide) {
+            int q[32];
+            for (int i = 0; i < 32; i++) q[i] = code(b, n, k * 32 + i) + offset;
+            if (codes == 0) {
+                for (int i = 0; i < 32; i++) stored[i] = (uint8_t)q[i];
+            } else {
+                for (int i = 0; i < 16; i++) stored[i] = (uint8_t)((q[i] & 15) | ((q[16 + i] & 15) << 4));
+                uint32_t fifth = 0;
+                for (int c = 0; c < 32; c++) fifth |= (uint32_t)((q[c] >> 4) & 1) << (8 * (c % 4) + c / 4);
+                for (int i = 0; i < 4; i++) stored[16 + i] = (uint8_t)(fifth >> (8 * i));
+            }
+            for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = stored[i];
+            if (size == 4) {
                 memcpy(at + L * bytes + (n % L) * 4, b->d + src, 4);
-                memcpy(at + L * bytes + L * 4 + (n % L) * 4, b->m + src, 4);
+                if (mins) memcpy(at + L * bytes + L * 4 + (n % L) * 4, b->m + src, 4);
                 continue;
             }
             const uint16_t d = half_bits(b->d[src]), m = half_bits(b->m[src]);
             memcpy(at + L * bytes + (n % L) * 2, &d, 2);
-            if (!b->q8_0) memcpy(at + L * bytes + L * 2 + (n % L) * 2, &m, 2);
+            if (mins) memcpy(at + L * bytes + L * 2 + (n % L) * 2, &m, 2);
         }
     return out;
 }
@@ -163,23 +186,20 @@ static product make_product(const blocks *b, int activations) {
 
 static void run(const product *p, const float *x, int M, float *y, int threads) {
     const blocks *b = p->b;
-    if (b->q8_0 == 4) { /* integer rows only */
-        (p->activations == 1 ? agentspec_q4_1w_q8_product : agentspec_q4_1w_q16_product)(x, M, b->K, p->few, y, b->N, threads);
+    if (p->activations) {
+        agentspec_int_product(layout_number(b->kind, p->activations), x, M, b->K, p->few, y, b->N, threads);
         return;
     }
-    if (b->q8_0 >= 2) { /* float32 rows only */
-        (b->q8_0 == 2 ? agentspec_q8_16_product : agentspec_q8_1_product)(x, M, b->K, p->few, p->many, y, b->N, threads);
-        return;
-    }
-    switch (p->activations * 2 + b->q8_0) {
-    case 0: agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    case 1: agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    case 2: agentspec_q4_1_q8_product(x, M, b->K, p->few, y, b->N, threads); break;
-    case 3: agentspec_q8_0_q8_product(x, M, b->K, p->few, y, b->N, threads); break;
-    case 4: agentspec_q4_1_q16_product(x, M, b->K, p->few, y, b->N, threads); break;
-    default: agentspec_q8_0_q16_product(x, M, b->K, p->few, y, b->N, threads); break;
+    switch (base[b->kind]) {
+    case Q4_1: agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+    case Q8_0: agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+    case Q8_16: agentspec_q8_16_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+    default: agentspec_q8_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
     }
 }
+
+/* blocks.c's agentspec_blocks.kind of a product (blocks.py: _blocks_arg) */
+static int kind_arg(const product *p) { return p->activations ? 4 + layout_number(p->b->kind, p->activations) : base[p->b->kind]; }
 
 /* What the product computes, in float64: float32 rows times the dequantised weights; integer rows
    quantised per block (scale max|x| / top, codes rounded to nearest even), exact integer dot products */
@@ -207,15 +227,15 @@ static double reference(const blocks *b, int activations, const float *x, int n)
     return sum;
 }
 
-static uint64_t check_product(int q8_0, int activations) {
+static uint64_t check_product(int kind, int activations) {
     const int M = 16, K = 256, N = 37; /* 37 outputs: a last group of every width partly empty */
-    blocks b = make_blocks(q8_0, N, K);
+    blocks b = make_blocks(kind, N, K);
     product p = make_product(&b, activations);
     float *x = malloc(sizeof(float) * M * K), *all = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
     run(&p, x, M, all, 2);
-    const char *name = q8_0 == 4 ? "Q4_1 wide" : q8_0 == 3 ? "Q8_1" : q8_0 == 2 ? "Q8_16" : q8_0 ? "Q8_0" : "Q4_1";
+    const char *name = names[kind];
     for (int r = 0; r < M; r++) {
         run(&p, x + (size_t)r * K, 1, part, 2);
         CHECK(memcmp(part, all + (size_t)r * N, sizeof(float) * N) == 0, "%s x %d-bit rows: row %d alone differs", name, 8 * activations, r);
@@ -237,7 +257,8 @@ static uint64_t check_product(int q8_0, int activations) {
 }
 
 /* The decoder layers of a tiny random model: 2 layers, hidden 64, 4 query heads and 2 key/value heads
-   of 16, MLP 96; products on Q4_1 blocks (the down product on Q8_0) times float32 or 16-bit rows. The
+   of 16, MLP 96; products on Q5_0 (q/k/v), Q4_1 (output), Q5_1 (gate/up) and Q8_0 (down) blocks times
+   float32 or 16-bit rows. The
    second layer has every switch of the described blocks on: q/k/v biases, q/k norms, a window of 3
    positions, no rotary embedding, norms after attention and MLP, a GELU gate, scores soft-capped at
    2; the residuals are scaled by 0.5. */
@@ -250,7 +271,7 @@ static uint64_t check_layers(int activations, int kv_half) {
     for (int i = 0; i < (HEADS + 2 * KV_HEADS) * HEAD_DIM; i++) bias[i] = 0.1f * uniform();
     for (int i = 0; i < 2 * HEAD_DIM; i++) qk_norms[i / HEAD_DIM][i % HEAD_DIM] = 0.5f + 0.5f * fabsf(uniform());
     layer_arg layers[LAYERS];
-    const int shapes[4][3] = {{0, (HEADS + 2 * KV_HEADS) * HEAD_DIM, H}, {0, H, HEADS * HEAD_DIM}, {0, 2 * MLP, H}, {1, H, MLP}}; /* q8_0, N, K */
+    const int shapes[4][3] = {{Q5_0, (HEADS + 2 * KV_HEADS) * HEAD_DIM, H}, {Q4_1, H, HEADS * HEAD_DIM}, {Q5_1, 2 * MLP, H}, {Q8_0, H, MLP}}; /* kind, N, K */
     product products[LAYERS][4];
     for (int l = 0; l < LAYERS; l++) {
         for (int i = 0; i < 4; i++) {
@@ -259,7 +280,7 @@ static uint64_t check_layers(int activations, int kv_half) {
         }
         for (int i = 0; i < 2 * H; i++) norms[l][i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
         blocks_arg args[4];
-        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){shapes[i][0] + 4 * activations, products[l][i].few, products[l][i].many};
+        for (int i = 0; i < 4; i++) args[i] = (blocks_arg){kind_arg(&products[l][i]), products[l][i].few, products[l][i].many};
         layers[l] = (layer_arg){norms[l][0], norms[l][1], 1e-5f, 1e-5f, args[0], args[1], args[2], args[3], NULL, NULL, NULL, 0.0f, 0, 1, NULL, NULL, 0.0f, 0, 0.0f};
         if (l == 1)
             layers[l].qkv_bias = bias, layers[l].q_norm = qk_norms[0], layers[l].k_norm = qk_norms[1], layers[l].qk_eps = 1e-6f, layers[l].window = 3,
@@ -303,12 +324,12 @@ static uint64_t check_layers(int activations, int kv_half) {
 }
 
 int main(void) {
-    const char *kinds[4] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1"}, *rows[3] = {"float32", "q8", "q16"};
+    const char *rows[3] = {"float32", "q8", "q16"};
     for (int activations = 0; activations < 3; activations++)
-        for (int q8_0 = 0; q8_0 < (activations ? 2 : 4); q8_0++) /* Q8_16, Q8_1: float32 rows only */
-            printf("product %s %s %016llx\n", kinds[q8_0], rows[activations], (unsigned long long)check_product(q8_0, activations));
-    for (int activations = 1; activations < 3; activations++) /* Q4_K's blocks: float32 scales and minimums, integer rows only */
-        printf("product Q4_1-wide %s %016llx\n", rows[activations], (unsigned long long)check_product(4, activations));
+        for (int kind = 0; kind < KINDS; kind++) {
+            if (activations ? kind == Q8_16 || kind == Q8_1 : kind > Q8_1) continue; /* Q8_16, Q8_1: float32 rows only; the rest: integer rows */
+            printf("product %s %s %016llx\n", names[kind], rows[activations], (unsigned long long)check_product(kind, activations));
+        }
     for (int activations = 0; activations < 3; activations += 2)
         for (int kv_half = 0; kv_half < 2; kv_half++)
             printf("layers %s %s-cache %016llx\n", rows[activations], kv_half ? "float16" : "float32", (unsigned long long)check_layers(activations, kv_half));

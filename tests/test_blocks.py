@@ -22,7 +22,7 @@ import torch
 from agentspec.engine import Engine
 from agentspec.engine.blocks import (
     ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockPass, Blocks, GGUFBlocks, block_kernels, block_product,
-    GGUF_TYPES, INTEGER_TYPES, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
+    GGUF_TYPES, INTEGER_OFFSETS, IntegerLayout, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
 )
 from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
@@ -44,16 +44,36 @@ def gguf_blocks(loaded):
     return GGUFBlocks(loaded.model, loaded.gguf_file, fallback=onednn_linear)
 
 
-def _random_blocks(kind: str, outputs: int, inputs: int, seed: int) -> Blocks:
+# Random blocks of each kind the kernels read (BLOCK_TYPES), and of each integer layout the GGUF
+# types give them (Blocks.integer_layout): (block type, the codes' range or None for any byte, scales
+# that are no float16 values), and the layout the integer products read them in
+SAMPLES = {
+    "Q4_1": ("Q4_1", None, False, IntegerLayout("4-bit", True, False)),
+    "Q8_0": ("Q8_0", None, False, IntegerLayout("bytes", False, False)),
+    "Q8_16": ("Q8_16", None, False, None),  # a scale per 16: float32 rows only
+    "Q8_1": ("Q8_1", None, False, None),  # unsigned bytes: float32 rows only
+    "Q4_0": ("Q8_0", (-8, 7), False, IntegerLayout("4-bit", False, False)),
+    "Q5_0": ("Q8_0", (-16, 15), False, IntegerLayout("5-bit", False, False)),
+    "Q5_1": ("Q8_1", (0, 31), False, IntegerLayout("5-bit", True, False)),
+    "Q4_K": ("Q4_1", None, True, IntegerLayout("4-bit", True, True)),
+    "Q5_K": ("Q8_1", (0, 31), True, IntegerLayout("5-bit", True, True)),
+}
+
+
+def _random_blocks(sample: str, outputs: int, inputs: int, seed: int) -> Blocks:
+    kind, codes_range, wide, _ = SAMPLES[sample]
     generator = torch.Generator().manual_seed(seed)
     blocks = inputs // 32
     scales = (torch.rand(outputs, blocks * (2 if kind == "Q8_16" else 1), generator=generator) * 0.02).half().float()
+    low, high = codes_range or ((0, 255) if kind in ("Q4_1", "Q8_1") else (-128, 127))
+    dtype = torch.uint8 if kind in ("Q4_1", "Q8_1") else torch.int8
+    codes = torch.randint(low, high + 1, (outputs, blocks, 16 if kind == "Q4_1" else 32), generator=generator, dtype=dtype)
     if kind in ("Q4_1", "Q8_1"):
-        codes = torch.randint(0, 256, (outputs, blocks, 16 if kind == "Q4_1" else 32), generator=generator, dtype=torch.uint8)
         mins = (-torch.rand(outputs, blocks, generator=generator) * 0.1).half().float()
     else:
-        codes = torch.randint(-128, 128, (outputs, blocks, 32), generator=generator, dtype=torch.int8)
         mins = torch.zeros(outputs, blocks)
+    if wide:  # products of a float16 scale and a 6-bit one, as Q4_K's and Q5_K's: more than float16's 11 bits
+        scales, mins = scales * (1 + 2**-10), mins * (1 + 2**-10)
     return Blocks(kind, codes, scales, mins)
 
 
@@ -84,7 +104,7 @@ def _integer_reference(x: torch.Tensor, blocks: Blocks, activations: str) -> tor
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-@pytest.mark.parametrize("kind", BLOCK_TYPES)
+@pytest.mark.parametrize("kind", SAMPLES)
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 1003)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, shape, activations):
     """A row's result is the same bits alone, as the k-th of up to 70 rows (tiles of 8 and their
@@ -93,8 +113,8 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     ("q8", "q16"), the exact integer products scaled, up to float32 rounding."""
     inputs, outputs = shape  # 1003 outputs: an odd last tile
     blocks = _random_blocks(kind, outputs, inputs, seed=outputs)
-    if kind not in INTEGER_TYPES and activations != "float32":
-        with pytest.raises(NotImplementedError, match="one scale per 32 weights"):
+    if SAMPLES[kind][-1] is None and activations != "float32":
+        with pytest.raises(NotImplementedError, match="one scale per 32 weights" if kind == "Q8_16" else "up to 5 bits"):
             block_product(blocks, activations=activations)
         return
     product = block_product(blocks, activations=activations)
@@ -121,6 +141,39 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     assert product(x[:0]).shape == (0, outputs)
 
 
+# Bytes a weight in the file, per GGUF type the samples stand for (GGUF_TYPES); Q4_K and Q5_K keep
+# each block's scale and minimum as float32 where the file has 6 bits of each per 32 weights
+FILE_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_1": 20, "Q5_1": 24, "Q4_K": 24, "Q5_K": 28}
+
+
+@pytest.mark.parametrize("kind", [k for k, sample in SAMPLES.items() if sample[-1] is not None])
+def test_the_integer_products_read_each_type_in_its_own_bits(kind):
+    """Q4_0's and Q5_0's codes (read as Q8_0's signed bytes) go back to 4 and 5 bits, Q5_1's and
+    Q5_K's (read as Q8_1's unsigned bytes) to 5, so a block takes the file's bytes again (Q4_K's and
+    Q5_K's float32 scales aside); Q8_0 blocks with one code outside 5 bits are read as bytes."""
+    blocks = _random_blocks(kind, 40, 256, seed=3)
+    assert blocks.integer_layout() == SAMPLES[kind][-1]
+    for lanes in (4, 8, 16):  # NEON, AVX2, AVX-512
+        assert blocks.by_lanes(lanes).numel() == -(-40 // lanes) * lanes * 8 * FILE_BYTES[kind]
+    if blocks.kind == "Q8_0" and kind != "Q8_0":
+        codes = blocks.codes.clone()
+        codes[7, 3, 9] = INTEGER_OFFSETS["5-bit"]  # one code too many for 5 bits
+        assert Blocks("Q8_0", codes, blocks.scales, blocks.mins).integer_layout() == IntegerLayout("bytes", False, False)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("activations", ["q8", "q16"])
+def test_4_and_5_bit_codes_give_the_bits_of_the_same_codes_as_bytes(gguf_blocks, kind, activations):
+    """sum((q + offset) a) - offset sum(a) is sum(q a), exactly: the same blocks read in 4 or 5 bits
+    and as bytes (stacked with an output whose code needs a byte) give the same bits."""
+    blocks = _random_blocks(kind, 50, 576, seed=4)
+    outlier = _random_blocks("Q8_0", 1, 576, seed=5)
+    stacked = Blocks.stack([blocks, outlier])
+    assert stacked.integer_layout().codes == "bytes"
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(block_product(stacked, activations=activations)(x)[:, :50], block_product(blocks, activations=activations)(x))
+
+
 @pytest.fixture(scope="module")
 def levels(gguf_blocks) -> list[str]:
     """The instruction-set levels whose kernels run here, fastest first (the default is the first)."""
@@ -132,13 +185,13 @@ def levels(gguf_blocks) -> list[str]:
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-@pytest.mark.parametrize("kind", BLOCK_TYPES)
+@pytest.mark.parametrize("kind", SAMPLES)
 def test_every_level_this_cpu_runs_gives_the_same_bits(levels, kind, activations):
     """The kernels of every level (AVX-512 with and without VNNI, AVX2 with and without VNNI) compute
     the same bits as the fastest level's: 16 logical float lanes with one fixed summing tree, and
     exact integer dot products. With the fastest level's products row-invariant (above), so is each
     level's: a row alone, in a tile's remainder or among 70 gives the fastest level's bits."""
-    if kind not in INTEGER_TYPES and activations != "float32":
+    if SAMPLES[kind][-1] is None and activations != "float32":
         return  # refused (above)
     blocks = _random_blocks(kind, 200, 1536, seed=5)  # 200 outputs: a last register of 8 lanes, not 16
     x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(2))
@@ -184,8 +237,9 @@ def _kernels_check(compiler: str, flags: Sequence[str], out: Path, runner: Seque
 
 
 def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
-    """A C driver of the kernels (tests/kernels_check.c: products of both block types on float32,
-    8- and 16-bit rows against plain references, row and thread invariance, the decoder layers of a
+    """A C driver of the kernels (tests/kernels_check.c: products of every block type on float32 rows
+    and of every integer layout (bytes, 4- and 5-bit codes, float16 and float32 scales) on 8- and
+    16-bit rows against plain references, row and thread invariance, the decoder layers of a
     tiny random model on both caches, a sequence alone against two in a pass) passes on every level
     this CPU runs and on ARM NEON, built with Debian's cross compiler and run under qemu-user, and
     all print the same hashes of their results' bits: NEON computes what x86 computes."""
@@ -200,7 +254,7 @@ def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
             pytest.skip(f"{level.name} is checked with {cross} and {emulator}: install gcc-aarch64-linux-gnu and qemu-user (make install does, as root)")
         flags = [*kernel_flags(level.name, native=False), "-static"]  # qemu-user runs it without the other architecture's libraries
         printed[level.name] = _kernels_check(cross, flags, tmp_path / level.name, runner=[emulator])
-    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 15
+    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 4 + 2 * 7 + 4 + 1  # products, layers, "ok"
     for level, lines in printed.items():
         assert lines == printed[levels[0]], level
 

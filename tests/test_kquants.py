@@ -1,14 +1,15 @@
 """A model in the types a user's Q4_K_M file holds, end to end: the default model written as a GGUF
-file whose layers are Q4_0, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K (llama.cpp's Q4_K_M of this model is mostly
+file whose layers are Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (llama.cpp's Q4_K_M of this model is mostly
 Q5_0, Q8_0 and Q6_K: its 576-wide rows are not multiples of the K-quants' 256), loaded by
 transformers like any file, runs on the compiled block pass with its logits, and greedy speculative
 decoding equals plain decoding on every block pass "auto" may pick.
 
-gguf-py quantises Q4_0, Q5_0, Q5_1 and Q8_0; the K-quant blocks are encoded here (``q4_k``, ``q6_k``), simply
+gguf-py quantises Q4_0, Q5_0, Q5_1 and Q8_0; the K-quant blocks are encoded here (``q4_k``, ``q5_k``, ``q6_k``), simply
 (a scale per sub-block from its range) — the format is what matters, not the encoder's error."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import GGUF_TYPES, BlockPass, blocks_unsupported, read_blocks
+from agentspec.engine.blocks import GGUF_TYPES, BlockPass, IntegerLayout, blocks_unsupported, read_blocks
 from agentspec.engine.kv import KVLayout
 from agentspec.engine.packed import check_packed, use_packed_attention
 from agentspec.engine.weights import NEAR_TOLERANCE, pass_layout, select_weights
@@ -32,19 +33,20 @@ def _half_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
 
 
-def q4_k(weights: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of ``weights`` [rows, inputs]: per 256, d and dmin (float16), 6-bit scales and
-    minimums of its 8 sub-blocks of 32, 4-bit codes; w = d * scale * q - dmin * minimum."""
-    rows = weights.shape[0]
+def _k_quant(weights: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (``bits`` 4) or Q5_K (5) blocks of ``weights`` [rows, inputs]: per 256, d and dmin
+    (float16), 6-bit scales and minimums of its 8 sub-blocks of 32, Q5_K's fifth bits (byte l: bit s
+    is weight l of sub-block s's), the low 4 bits; w = d * scale * q - dmin * minimum."""
+    rows, top = weights.shape[0], 2**bits - 1
     sub = weights.reshape(rows, -1, 8, 32)
     low = np.minimum(sub.min(-1), 0)  # [rows, supers, 8]
-    step = (sub.max(-1) - low) / 15
+    step = (sub.max(-1) - low) / top
     d = (step.max(-1) / 63).astype(np.float16).astype(np.float32) + 1e-12
     dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32) + 1e-12
     scales = np.clip(np.round(step / d[..., None]), 1, 63).astype(np.uint8)
     mins = np.clip(np.round(-low / dmin[..., None]), 0, 63).astype(np.uint8)
     codes = np.round((sub + (dmin[..., None] * mins)[..., None]) / (d[..., None] * scales)[..., None])
-    codes = np.clip(codes, 0, 15).astype(np.uint8)
+    codes = np.clip(codes, 0, top).astype(np.uint8)  # [rows, supers, 8, 32]
     packed = np.concatenate(
         [
             (scales[..., :4] & 63) | ((scales[..., 4:] >> 4) << 6),
@@ -53,8 +55,17 @@ def q4_k(weights: np.ndarray) -> np.ndarray:
         ],
         axis=-1,
     )
-    nibbles = (codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)).reshape(rows, -1, 128)  # run c: sub-blocks 2c, 2c + 1
-    return np.concatenate([_half_bytes(d), _half_bytes(dmin), packed, nibbles], axis=-1).reshape(rows, -1)
+    fifth = [((codes >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2).astype(np.uint8)] if bits == 5 else []  # [rows, supers, 32]
+    nibbles = ((codes[..., 0::2, :] & 15) | ((codes[..., 1::2, :] & 15) << 4)).reshape(rows, -1, 128)  # run c: sub-blocks 2c, 2c + 1
+    return np.concatenate([_half_bytes(d), _half_bytes(dmin), packed, *fifth, nibbles], axis=-1).reshape(rows, -1)
+
+
+def q4_k(weights: np.ndarray) -> np.ndarray:
+    return _k_quant(weights, 4)
+
+
+def q5_k(weights: np.ndarray) -> np.ndarray:
+    return _k_quant(weights, 5)
 
 
 def q6_k(weights: np.ndarray) -> np.ndarray:
@@ -77,7 +88,7 @@ def q6_k(weights: np.ndarray) -> np.ndarray:
 LAYOUT = (
     {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
     {"ffn_down": "Q4_K"},  # the rest stays Q4_1
-    {"attn_output": "Q5_1", "ffn_down": "Q6_K"},
+    {"attn_output": "Q5_1", "ffn_down": "Q5_K"},
 )
 
 
@@ -111,7 +122,7 @@ def _to_layout(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]
         return data, kind
     weights = gguf.quants.dequantize(data, kind).reshape(data.shape[0], -1).astype(np.float32)
     kind = gguf.GGMLQuantizationType[wanted]
-    return {"Q4_K": q4_k, "Q6_K": q6_k}.get(wanted, lambda w: gguf.quants.quantize(w, kind))(weights), kind
+    return {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}.get(wanted, lambda w: gguf.quants.quantize(w, kind))(weights), kind
 
 
 def _to_float(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
@@ -124,7 +135,7 @@ def _to_float(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
 
 @pytest.fixture(scope="module")
 def mixed(loaded, tmp_path_factory):
-    """The default model as a file of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K tensors, loaded."""
+    """The default model as a file of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors, loaded."""
     path = tmp_path_factory.mktemp("kquants") / "SmolLM2-135M-Instruct.mixed.gguf"
     _rewrite(loaded.gguf_file, path, _to_layout)
     model = load_model(path)
@@ -137,13 +148,14 @@ def mixed(loaded, tmp_path_factory):
 def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixed):
     """Every linear weight of the file is read from its blocks (so the decoder layers run in one
     compiled call), and the pass gives the loaded model's logits: float32 rows to float32 rounding;
-    16-bit rows within their tolerance — Q4_K's products on them too, with its scales kept as float32
-    ("wide": a super-block's scale times a 6-bit one is no float16 value), Q6_K's (a scale per 16)
-    and Q5_1's (unsigned bytes) on float32 rows."""
+    16-bit rows within their tolerance, each type's blocks in its own bits (Q4_0's and Q5_0's codes
+    back in 4 and 5 bits, Q5_1's and Q5_K's in 5; Q4_K's and Q5_K's scales as float32, "wide": a
+    super-block's scale times a 6-bit one is no float16 value), but Q6_K's (a scale per 16) on
+    float32 rows."""
     import gguf
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}
-    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"} <= kinds
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= kinds
     model, layout = mixed.model, KVLayout.of(mixed.model)
     use_packed_attention(model)
     exact = select_weights(model, layout, "gguf", mixed.gguf_file)
@@ -151,10 +163,12 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     assert check_packed(model, layout, forward=exact.forward) <= 1e-3
     rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
     assert isinstance(rounded, BlockPass)
-    downs = [(layer.down.activations, layer.down.wide) for layer in rounded.layers]
-    assert downs == [(("float32", False), ("q16", True), ("float32", False))[i % 3] for i in range(len(downs))]  # Q6_K, Q4_K, Q6_K
-    assert rounded.layers[2].o.activations == "float32"  # Q5_1, read as unsigned bytes
-    assert rounded.layers[0].qkv.activations == rounded.layers[1].qkv.activations == "q16"  # Q4_0 + Q5_0 + Q8_0; Q4_1
+    downs = [layer.down.layout for layer in rounded.layers]  # Q6_K, Q4_K, Q5_K
+    assert downs == [(None, IntegerLayout("4-bit", True, True), IntegerLayout("5-bit", True, True))[i % 3] for i in range(len(downs))]
+    assert rounded.layers[2].o.layout == IntegerLayout("5-bit", True, False)  # Q5_1
+    assert rounded.layers[0].gate_up.layout == IntegerLayout("5-bit", False, False)  # Q4_0 + Q5_0
+    assert rounded.layers[0].qkv.layout == IntegerLayout("bytes", False, False)  # Q4_0 + Q5_0 + Q8_0
+    assert rounded.layers[1].qkv.layout == IntegerLayout("4-bit", True, False)  # Q4_1
     assert check_packed(model, pass_layout(layout, rounded), NEAR_TOLERANCE, forward=rounded) <= NEAR_TOLERANCE
 
 
@@ -178,7 +192,8 @@ def test_the_mixed_file_is_a_coherent_model(mixed):
     target = Engine(mixed, weights="gguf")
     ids = mixed.chat.encode([{"role": "user", "content": "Count from 1 to 10, separated by commas."}])
     seq, pieces = decode(target, ids, GenerationParams(max_tokens=24, spec=SpecConfig(enabled=False)))
-    assert "1, 2, 3, 4" in "".join(pieces), "".join(pieces)
+    text = "".join(pieces)
+    assert list(dict.fromkeys(re.findall(r"\d+", text)))[:5] == ["1", "2", "3", "4", "5"], text  # "1, 2, ..." or "1. 1\n2. 2 ..."
 
 
 def test_a_file_without_block_types_the_kernels_read_is_refused_with_the_types(mixed, tmp_path):

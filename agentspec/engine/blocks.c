@@ -143,6 +143,8 @@ INLINE vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 INLINE vi vi_shl(vi a, int n) { return _mm512_slli_epi32(a, n); }
+INLINE vi vi_shr(vi a, int n) { return _mm512_srli_epi32(a, n); } /* logical */
+INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm512_and_si512(a, _mm512_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm512_srli_epi16(a, n); } /* each 16-bit half, logical */
 INLINE vi vi_madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }  /* lane: a.lo16 * b.lo16 + a.hi16 * b.hi16, exact */
@@ -259,6 +261,8 @@ INLINE vi vi_set1(int32_t a) { return _mm256_set1_epi32(a); }
 INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 INLINE vi vi_shl(vi a, int n) { return _mm256_slli_epi32(a, n); }
+INLINE vi vi_shr(vi a, int n) { return _mm256_srli_epi32(a, n); }
+INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm256_and_si256(a, _mm256_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 INLINE vi vi_madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
@@ -378,6 +382,8 @@ INLINE vi vi_set1(int32_t a) { return vdupq_n_s32(a); }
 INLINE vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
 INLINE vi vi_sub(vi a, vi b) { return vsubq_s32(a, b); }
 INLINE vi vi_shl(vi a, int n) { return vshlq_s32(a, vdupq_n_s32(n)); }
+INLINE vi vi_shr(vi a, int n) { return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a), vdupq_n_s32(-n))); }
+INLINE vi vi_or(vi a, vi b) { return vorrq_s32(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return vreinterpretq_s32_s16(vandq_s16(vreinterpretq_s16_s32(a), vdupq_n_s16(mask))); }
 INLINE vi vi_shr16(vi a, int n) { return vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(a), vdupq_n_s16((int16_t)-n))); }
 INLINE vi vi_flip_bytes(vi a) { return vreinterpretq_s32_u8(veorq_u8(vreinterpretq_u8_s32(a), vdupq_n_u8(0x80))); } /* code + 128 -> code */
@@ -557,8 +563,8 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
    llama.cpp's arithmetic for these blocks: each row is quantised per block of 32 inputs to integers a
    with one float scale (d_a = max|x| / 127, a = round(x / d_a); "q16": max|x| / 32639), and a block's
    product is an exact integer dot product of codes, scaled:
-     Q4_1: sum_k w x ~ d_w d_a sum(q a) + m_w (d_a sum(a))
-     Q8_0: sum_k w x ~ d_w d_a sum(q a)
+     with minimums (Q4_1, Q5_1, Q4_K, Q5_K): sum_k w x ~ d_w d_a sum(q a) + m_w (d_a sum(a))
+     without (Q8_0, Q4_0, Q5_0):             sum_k w x ~ d_w d_a sum((q - offset) a)
    The weights are the file's, unchanged; only the activations are rounded (q8: to 1/254 of a block's
    largest magnitude; q16: 1/65278), so these are another model's products than the float32 kernels
    above: "gguf-q8" is asked for by name, "gguf-q16" is a candidate of "auto" (weights.py).
@@ -569,19 +575,31 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
      block takes two dot products per register.
    - otherwise (AVX2, AVX-512 without VNNI): vpmaddwd on 16-bit halves of the lanes, codes widened
      by a mask and a shift, activations kept as 16-bit integers (both q8 and q16: one plane).
+   Codes are unsigned: sum((q - offset) a) = sum(q a) - offset sum(a), exactly, in 32-bit integers.
 
    Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
-   its blocks in input order. A Q4_1 block: 4 registers of codes (register j, lane o: the byte holding
-   codes 4j..4j+3 of output o in its low nibbles, 16+4j.. in its high ones, as the file packs them),
-   then the LANES scales and minimums as float16 (exactly the file's) or, "wide", as float32 (Q4_K's:
-   a super-block's float16 scale times a 6-bit one is no float16 value). A Q8_0 block: 8 registers of
-   codes + 128 (unsigned; the dot product subtracts 128 sum(a), exactly), then the float16 scales.
+   its blocks in input order, each as many bytes a weight as the file's. A block's codes, one of three
+   kinds (CODES_*):
+   - bytes: 8 registers (register j, lane o: output o's codes 4j..4j+3), Q8_0's + 128 (offset 128);
+   - 4-bit: 4 registers (register j, lane o: the byte holding codes 4j..4j+3 of output o in its low
+     nibbles, 16+4j.. in its high ones, as the file packs them); Q4_0's codes offset by 8;
+   - 5-bit: the 4-bit registers of the low bits, then one register of the fifth bits (lane o: bit
+     8i + j is that of code 4j + i, so a shift puts codes 4j..4j+3's on bit 4 of their bytes); Q5_0's
+     codes offset by 16;
+   then the LANES scales (and minimums) as float16 (exactly the file's) or, "wide", as float32 (Q4_K's
+   and Q5_K's: a super-block's float16 scale times a 6-bit one is no float16 value).
 
    Each (row, output) pair is one lane taking the same integer dot products and float multiply-adds
    in the same order (no horizontal sum), whatever else shares the call and whichever thread and level
-   computes it. */
+   computes it. Q5_0's 5-bit codes and the same blocks as bytes (code - 16 + 128) give the same
+   integer sums, so the same bits. */
 
-#define INT_BYTES(q8_0, wide) ((q8_0) ? LANES * 32 + LANES * 2 : LANES * 16 + LANES * ((wide) ? 8 : 4)) /* a group's block */
+enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2 };
+#define CODE_BYTES(codes) ((codes) == CODES_BYTES ? 32 : (codes) == CODES_4BIT ? 16 : 20) /* a block's codes, per output */
+/* a group's block: its codes, then its scales (and minimums), float16 or float32 ("wide") */
+#define INT_BYTES(codes, mins, wide) (LANES * CODE_BYTES(codes) + LANES * ((mins) ? 2 : 1) * ((wide) ? 4 : 2))
+/* what the codes are offset by (subtracted from their dot product) in blocks without minimums */
+#define OFFSET(codes) ((codes) == CODES_BYTES ? (SIGNED_DOT ? 0 : 128) : (codes) == CODES_4BIT ? 8 : 16)
 #define REGISTER (LANES * 4)                                                       /* bytes of codes per register */
 #define ROWS8 8                                                                    /* rows per tile, at most */
 #if AGENTSPEC_VNNI
@@ -649,15 +667,38 @@ static void quantise_rows(const float *x, int M, int K, const int planes, agents
    2^29, so exact whatever the order): with VNNI two chains of vpdpbusd (one per plane, or halves of
    the registers) to hide its latency; with vpmaddwd one chain of additions (1 cycle each), so 8 rows'
    sums stay in 16 ymm registers. */
-INLINE void int_tile(const int q8_0, const int planes, const int wide, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w, float *y, int N,
-                     int g) {
-    const int nb = K / 32, bytes = INT_BYTES(q8_0, wide), codes = q8_0 ? LANES * 32 : LANES * 16;
+/* The codes of register j (weights 4j..4j+3 of each lane's output), as 4 unsigned bytes a lane (in
+   the file's 4- and 5-bit codes: 0..31, so also signed bytes); `high`: the 5-bit codes' fifth bits. */
+INLINE vi codes_of(const int codes, const uint8_t *at, vi high, int j) {
+    if (codes == CODES_BYTES) {
+        const vi raw = vi_load(at + REGISTER * j);
+#if SIGNED_DOT
+        return vi_flip_bytes(raw); /* code + 128 -> code: sdot takes signed bytes, no offset */
+#else
+        return raw;
+#endif
+    }
+    const vi low = vi_and16(vi_shr16(vi_load(at + REGISTER * (j % 4)), j < 4 ? 0 : 4), 0x0F0F); /* low nibbles, then high ones */
+    if (codes == CODES_4BIT) return low;
+    const vi fifth = j < 4 ? vi_shl(high, 4 - j) : vi_shr(high, j - 4); /* bit 8i + j -> 8i + 4 */
+    return vi_or(low, vi_and16(fifth, 0x1010));
+}
+
+/* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes, blocks
+   of `codes` with or without minimums, `wide` scales (compile-time constants at every call site). A
+   block's dot product of a row, in 32-bit integers (|sum| < 2^29, so exact whatever the order): with
+   VNNI two chains of vpdpbusd (one per plane, or halves of the registers) to hide its latency; with
+   vpmaddwd one chain of additions (1 cycle each), so 8 rows' sums stay in 16 ymm registers. */
+INLINE void int_tile(const int codes, const int mins, const int wide, const int planes, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w,
+                     float *y, int N, int g) {
+    const int nb = K / 32, bytes = INT_BYTES(codes, mins, wide), scales = LANES * CODE_BYTES(codes), offset = mins ? 0 : OFFSET(codes);
     vf acc[ROWS8];
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
         const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
         for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
+        const vi high = codes == CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
         vi part[ROWS8][2];
         UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
 #if AGENTSPEC_VNNI
@@ -666,14 +707,8 @@ INLINE void int_tile(const int q8_0, const int planes, const int wide, const age
         _Pragma("GCC unroll 1") /* unrolled, GCC reassociates the exact sums into trees of spilled registers */
 #endif
         for (int j = 0; j < 8; j++) { /* register j: weights 4j..4j+3 of each lane's output */
-            const vi raw = vi_load(at + REGISTER * (q8_0 ? j : j % 4));
-            const int shift = q8_0 || j < 4 ? 0 : 4; /* Q4_1: low nibbles, then high ones */
+            const vi u = codes_of(codes, at, high, j);
 #if AGENTSPEC_VNNI
-#if SIGNED_DOT
-            const vi u = q8_0 ? vi_flip_bytes(raw) : vi_and16(vi_shr16(raw, shift), 0x0F0F);
-#else
-            const vi u = q8_0 ? raw : vi_and16(vi_shr16(raw, shift), 0x0F0F);
-#endif
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
                     const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
@@ -686,8 +721,7 @@ INLINE void int_tile(const int q8_0, const int planes, const int wide, const age
                 }
             }
 #else
-            const int16_t mask = q8_0 ? 0x00FF : 0x000F;
-            const vi even = vi_and16(vi_shr16(raw, shift), mask), odd = vi_and16(vi_shr16(raw, 8 + shift), mask); /* bytes 0, 2 and 1, 3 */
+            const vi even = vi_and16(u, 0x00FF), odd = vi_shr16(u, 8); /* bytes 0, 2 and 1, 3 */
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
                     const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
@@ -696,15 +730,15 @@ INLINE void int_tile(const int q8_0, const int planes, const int wide, const age
             }
 #endif
         }
-        const vf d = wide ? vf_load(at + codes) : vf_load_half(at + codes);
-        const vf m = q8_0 ? vf_zero() : wide ? vf_load(at + codes + 4 * LANES) : vf_load_half(at + codes + 2 * LANES);
+        const vf d = wide ? vf_load(at + scales) : vf_load_half(at + scales);
+        const vf m = !mins ? vf_zero() : wide ? vf_load(at + scales + 4 * LANES) : vf_load_half(at + scales + 2 * LANES);
         UNROLL for (int r = 0; r < ROWS8; r++) {
             if (r < rows) {
                 const size_t rb = rows_at + r;
                 vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
-                if (q8_0 && !SIGNED_DOT) dot = vi_sub(dot, vi_set1(128 * q->sum[rb])); /* the codes' + 128 */
+                if (offset) dot = vi_sub(dot, vi_set1(offset * q->sum[rb]));
                 acc[r] = vf_fmadd(vf_from_vi(dot), vf_mul(d, vf_set1(q->scale[rb])), acc[r]);
-                if (!q8_0) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
+                if (mins) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
             }
         }
     }
@@ -713,34 +747,45 @@ INLINE void int_tile(const int q8_0, const int planes, const int wide, const age
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(Q8_0, PLANES, WIDE, ROWS)                                                        \
+#define INT_CHUNK(CODES, MINS, WIDE, PLANES, ROWS)                                                 \
     {                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-        for (int g = 0; g < groups; g++) int_tile(Q8_0, PLANES, WIDE, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, WIDE, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
-#define INT_PRODUCT(Q8_0, PLANES, WIDE)                                                            \
-    const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                      \
-    agentspec_q8_rows q = {malloc((size_t)M * nb * ROW_BYTES(PLANES)), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb), M}; \
-    quantise_rows(x, M, K, PLANES, &q);                                                            \
-    for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                        \
-        const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, M}; \
-        BY_COUNT(M - r0, INT_CHUNK, Q8_0, PLANES, WIDE)                                            \
-    }                                                                                              \
-    free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);
+#define INT_PRODUCT(CODES, MINS, WIDE, PLANES)                                                     \
+    {                                                                                              \
+        const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
+        agentspec_q8_rows q = {malloc((size_t)M * nb * ROW_BYTES(PLANES)), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb), M}; \
+        quantise_rows(x, M, K, PLANES, &q);                                                        \
+        for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                    \
+            const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, M}; \
+            BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, PLANES)                                 \
+        }                                                                                          \
+        free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);                             \
+    }
 
-/* w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out ("wide": float32 scales and minimums). */
-void agentspec_q4_1_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1, 0) }
+/* An integer layout's number (blocks.py: Blocks.integer_layout): its codes, minimums (0, 1), wide
+   scales (0, 1) and activation planes (1: "q8", 2: "q16"). */
+#define INT_LAYOUT(CODES, MINS, WIDE, PLANES) ((((CODES) * 2 + (MINS)) * 2 + (WIDE)) * 2 + (PLANES) - 1)
+#define INT_CASE(CODES, MINS, WIDE)                                                                \
+    case INT_LAYOUT(CODES, MINS, WIDE, 1): INT_PRODUCT(CODES, MINS, WIDE, 1) break;                \
+    case INT_LAYOUT(CODES, MINS, WIDE, 2): INT_PRODUCT(CODES, MINS, WIDE, 2) break;
 
-void agentspec_q8_0_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 1, 0) }
-
-void agentspec_q4_1_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2, 0) }
-
-void agentspec_q8_0_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(1, 2, 0) }
-
-void agentspec_q4_1w_q8_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 1, 1) }
-
-void agentspec_q4_1w_q16_product(const float *x, int M, int K, const void *w, float *y, int N, int threads) { INT_PRODUCT(0, 2, 1) }
+/* x @ W.T on integer rows; w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. The
+   layouts a GGUF file's blocks take (the others abort: blocks.py never passes them). */
+void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads) {
+    switch (layout) {
+        INT_CASE(CODES_BYTES, 0, 0) /* Q8_0 */
+        INT_CASE(CODES_4BIT, 0, 0)  /* Q4_0 */
+        INT_CASE(CODES_4BIT, 1, 0)  /* Q4_1 */
+        INT_CASE(CODES_4BIT, 1, 1)  /* Q4_K */
+        INT_CASE(CODES_5BIT, 0, 0)  /* Q5_0 */
+        INT_CASE(CODES_5BIT, 1, 0)  /* Q5_1 */
+        INT_CASE(CODES_5BIT, 1, 1)  /* Q5_K */
+    default: abort();
+    }
+}
 
 /* ==== The decoder layers of a Llama model in one call =============================================
    Everything between the embedding and the final norm: per layer RMSNorm, the q/k/v product, the
@@ -750,9 +795,10 @@ void agentspec_q4_1w_q16_product(const float *x, int M, int K, const void *w, fl
    pass in Python (fused.py), without ~120 framework calls per pass. Each token's arithmetic
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
+#define INTEGER_KIND 4 /* blocks.py: _blocks_arg */
+
 typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; 4, 5: Q4_1, Q8_0 on 8-bit rows; 8, 9: on 16-bit rows;
-                               plus 16: Q4_1 with float32 scales and minimums ("wide", Q4_K's) on integer rows */
+    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; INTEGER_KIND + an integer layout (INT_LAYOUT) */
     const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
 } agentspec_blocks;
 
@@ -825,13 +871,7 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 2: agentspec_q8_16_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 3: agentspec_q8_1_product(x, M, K, w->few, w->many, y, N, threads); break;
-    case 4: agentspec_q4_1_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 5: agentspec_q8_0_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 8: agentspec_q4_1_q16_product(x, M, K, w->few, y, N, threads); break;
-    case 9: agentspec_q8_0_q16_product(x, M, K, w->few, y, N, threads); break;
-    case 20: agentspec_q4_1w_q8_product(x, M, K, w->few, y, N, threads); break;
-    case 24: agentspec_q4_1w_q16_product(x, M, K, w->few, y, N, threads); break;
-    default: abort(); /* blocks.py: _blocks_arg */
+    default: agentspec_int_product(w->kind - INTEGER_KIND, x, M, K, w->few, y, N, threads); break; /* integer rows */
     }
 }
 

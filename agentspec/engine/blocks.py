@@ -68,9 +68,8 @@ BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 # The kernels' blocks of 32 weights (blocks.c): Q4_1 (4-bit codes, a scale and a minimum), Q8_0
 # (signed bytes, a scale), Q8_16 (signed bytes, a scale per 16) and Q8_1 (unsigned bytes, a scale and
-# a minimum). The integer products take the first two, with float16 scales.
+# a minimum). The integer products take all but Q8_16, in the file's own bytes (IntegerLayout).
 BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16", "Q8_1")
-INTEGER_TYPES = ("Q4_1", "Q8_0")
 # The GGUF types read into them, each weight exactly as the GGUF reader dequantises it: (weights per
 # block, bytes per block). Q4_0 and Q5_0 become Q8_0 (code - 8 or - 16, the block's scale); Q4_K
 # becomes Q4_1 (per 32 weights: the super-block's scale times the 6-bit scale, minus its minimum
@@ -87,15 +86,28 @@ GGUF_TYPES = {
 # "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
-_SYMBOLS = {
-    ("Q4_1", "float32"): "agentspec_q4_1_product", ("Q8_0", "float32"): "agentspec_q8_0_product", ("Q8_16", "float32"): "agentspec_q8_16_product",
-    ("Q8_1", "float32"): "agentspec_q8_1_product",
-    ("Q4_1", "q8"): "agentspec_q4_1_q8_product", ("Q8_0", "q8"): "agentspec_q8_0_q8_product",
-    ("Q4_1", "q16"): "agentspec_q4_1_q16_product", ("Q8_0", "q16"): "agentspec_q8_0_q16_product",
-}
-# Q4_1 blocks whose scales or minimums are no float16 values (Q4_K's), on integer rows: float32 in the layout
-_WIDE_SYMBOLS = {("Q4_1", "q8"): "agentspec_q4_1w_q8_product", ("Q4_1", "q16"): "agentspec_q4_1w_q16_product"}
-WIDE_KIND = 16  # blocks.c: agentspec_blocks.kind of such blocks, added to their kind
+# The products on float32 rows, per block type (x, M, K, blocks grouped for few rows, for many, y, N, threads)
+_SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product", "Q8_16": "agentspec_q8_16_product", "Q8_1": "agentspec_q8_1_product"}
+# The integer products' codes (blocks.c: CODES_*), as many bytes a weight as the file's: signed bytes
+# (Q8_0's, stored + 128), 4-bit codes two to a byte as the file packs them (Q4_0's, Q4_1's, Q4_K's),
+# and 5-bit ones (Q5_0's, Q5_1's, Q5_K's: the 4-bit registers, then one register of the fifth bits).
+# Blocks without minimums store their codes offset to unsigned ones: by 128, 8 and 16.
+INTEGER_CODES = ("bytes", "4-bit", "5-bit")
+INTEGER_OFFSETS = {"bytes": 128, "4-bit": 8, "5-bit": 16}
+INTEGER_KIND = 4  # blocks.c: agentspec_blocks.kind of the blocks of integer rows, plus their layout's number
+
+
+@dataclass(frozen=True)
+class IntegerLayout:
+    """How the integer products read a matrix's blocks (``Blocks.by_lanes``; blocks.c: INT_LAYOUT)."""
+
+    codes: str  # one of INTEGER_CODES
+    mins: bool  # a minimum per block (else the codes are offset: INTEGER_OFFSETS)
+    wide: bool  # scales (and minimums) as float32: they are no float16 values (Q4_K's, Q5_K's)
+
+    def number(self, activations: str) -> int:
+        """blocks.c's INT_LAYOUT of these blocks times ``activations`` ("q8" or "q16")."""
+        return ((INTEGER_CODES.index(self.codes) * 2 + self.mins) * 2 + self.wide) * 2 + INTEGER_ACTIVATIONS.index(activations)
 
 
 @dataclass(frozen=True)
@@ -237,10 +249,12 @@ def _build(name: str) -> ctypes.CDLL | str:
     if not kernels.agentspec_cpu_runs_this():
         return f"{name}: this CPU does not run the kernels built for it"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    for (kind, activations), symbol in (*_SYMBOLS.items(), *_WIDE_SYMBOLS.items()):  # (x, M, K, blocks [float32 rows: grouped for few rows, for many], y, N, threads)
-        layouts = [pointer] if activations in INTEGER_ACTIVATIONS else [pointer, pointer]
-        getattr(kernels, symbol).argtypes = [pointer, integer, integer, *layouts, pointer, integer, integer]
+    for symbol in _SYMBOLS.values():  # (x, M, K, blocks grouped for few rows, for many, y, N, threads)
+        getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, integer, integer]
         getattr(kernels, symbol).restype = None
+    # (layout, x, M, K, blocks by lanes, y, N, threads)
+    kernels.agentspec_int_product.argtypes = [integer, pointer, integer, integer, pointer, pointer, integer, integer]
+    kernels.agentspec_int_product.restype = None
     # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, scaling, residual_scale, segments, nseg, kv_half, threads)
     kernels.agentspec_layers.argtypes = [
         pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, integer, ctypes.c_float, ctypes.c_float,
@@ -351,44 +365,67 @@ class Blocks:
             parts.append(self.mins[..., None].view(torch.uint8))
         return torch.cat([per_group(p) for p in parts], dim=-1).contiguous()
 
-    @property
-    def wide(self) -> bool:
-        """Whether the integer layout keeps these scales (and minimums) as float32: Q4_1 blocks
-        whose values are no float16 values (Q4_K's, a super-block's scale times a 6-bit one)."""
-        return self.kind == "Q4_1" and not all(torch.equal(v.to(torch.float16).float(), v) for v in (self.scales, self.mins))
+    def integer_layout(self) -> IntegerLayout | str:
+        """How the integer products read these blocks (``by_lanes``), or why they cannot: in as few
+        bits as their codes take (Q4_0's and Q5_0's, read as Q8_0, back to 4 and 5 bits; Q5_1's and
+        Q5_K's, read as Q8_1, to 5), with float32 scales where they are no float16 values."""
+        if self.kind == "Q8_16":
+            return "the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)"
+        values = (self.scales, self.mins) if self.has_mins else (self.scales,)
+        wide = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
+        if self.kind == "Q4_1":
+            return IntegerLayout("4-bit", True, wide)
+        low, high = (int(v) for v in torch.aminmax(self.codes)) if self.codes.numel() else (0, 0)
+        if self.kind == "Q8_1":
+            if high > 31:
+                return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
+            return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, wide)
+        if wide:
+            return "the integer products keep the scales of blocks without minimums as float16, and these are not float16 values"
+        fits = [codes for codes in INTEGER_CODES[1:] if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
+        return IntegerLayout(fits[0] if fits else "bytes", False, False)
 
     def by_lanes(self, lanes: int) -> torch.Tensor:
-        """The blocks as the integer products of ``blocks.c`` read them, ``lanes`` outputs to a
-        register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of ``lanes`` (the last
-        padded with zeros); per group, its blocks in input order, each its codes as registers of
-        ``lanes`` 4-byte lanes (register j, lane o: output o's four codes 4j..4j+3 as bytes, Q4_1's
-        packed two to a byte as in the file; Q8_0's plus 128, unsigned), then the ``lanes`` scales
-        (and minimums) as float16 — the file's own values — or, ``wide``, as float32:
-        ``[groups, inputs / 32, bytes per block]``."""
-        reason = self.integer_unsupported()
-        if reason is not None:
-            raise NotImplementedError(reason)
+        """The blocks as the integer products of ``blocks.c`` read them (``integer_layout``), ``lanes``
+        outputs to a register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of
+        ``lanes`` (the last padded with zeros); per group, its blocks in input order, each its codes as
+        registers of ``lanes`` 4-byte lanes, then the ``lanes`` scales (and minimums) as float16 — the
+        file's own values — or, wide, as float32: ``[groups, inputs / 32, bytes per block]``. Register
+        j, lane o: output o's codes 4j..4j+3 as bytes (plus 128); or, 4- and 5-bit codes, the bytes
+        holding codes 4j..4j+3 in their low nibbles and 16+4j.. in their high ones (registers 0..3),
+        and the fifth bits (register 4: bit 8i + j is code 4j + i's)."""
+        layout = self.integer_layout()
+        if isinstance(layout, str):
+            raise NotImplementedError(layout)
         outputs, blocks = self.codes.shape[:2]
         groups = -(-outputs // lanes)
         pad = groups * lanes - outputs
-        codes = self.codes.view(torch.uint8) if self.kind == "Q4_1" else (self.codes.to(torch.int16) + 128).to(torch.uint8)
-        codes = torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])])
-        registers = codes.shape[-1] // 4  # 4 for Q4_1 (16 bytes a block), 8 for Q8_0 (32)
-        codes = codes.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
-        parts = [codes]
-        dtype = torch.float32 if self.wide else torch.float16
-        for values in (self.scales, self.mins) if self.kind == "Q4_1" else (self.scales,):
+        if self.kind == "Q4_1":
+            codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1).to(torch.int16)  # [outputs, blocks, 32]
+        else:
+            codes = self.codes.to(torch.int16) + (0 if layout.mins else INTEGER_OFFSETS[layout.codes])  # unsigned
+        if layout.codes == "bytes":
+            stored = codes.to(torch.uint8)
+        else:
+            stored = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)  # as the file packs 4-bit codes
+            if layout.codes == "5-bit":
+                index = torch.arange(BLOCK)
+                bits = ((codes.to(torch.int64) >> 4) << (8 * (index % 4) + index // 4)).sum(-1)  # [outputs, blocks]
+                stored = torch.cat([stored, torch.stack([(bits >> (8 * k)) & 255 for k in range(4)], dim=-1)], dim=-1)
+            stored = stored.to(torch.uint8)
+        stored = torch.cat([stored, stored.new_zeros(pad, *stored.shape[1:])])
+        registers = stored.shape[-1] // 4  # 8 (bytes), 4 (4-bit) or 5 (5-bit)
+        parts = [stored.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)]
+        dtype = torch.float32 if layout.wide else torch.float16
+        for values in (self.scales, self.mins) if layout.mins else (self.scales,):
             scale = torch.cat([values.to(dtype), values.new_zeros(pad, blocks, dtype=dtype)])
             parts.append(scale.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
 
     def integer_unsupported(self) -> str | None:
         """Why the integer products cannot take these blocks (``by_lanes``), or None when they can."""
-        if self.kind not in INTEGER_TYPES:
-            return "the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)"
-        if self.kind == "Q8_0" and not torch.equal(self.scales.to(torch.float16).float(), self.scales):
-            return "the integer products keep Q8_0 scales as float16, and these are not float16 values"
-        return None
+        layout = self.integer_layout()
+        return layout if isinstance(layout, str) else None
 
     def rows(self, order: torch.Tensor) -> "Blocks":
         return Blocks(self.kind, self.codes[order].contiguous(), self.scales[order].contiguous(), self.mins[order].contiguous())
@@ -569,16 +606,19 @@ class BlockProduct:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
         kernels = kernels or block_kernels()
         self.kind, self.activations, self.isa = blocks.kind, activations, kernels.isa
+        self.layout: IntegerLayout | None = None  # how the integer products read the blocks
         if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads a register's outputs' blocks as one run of memory
-            self.few = blocks.by_lanes(kernels.lanes)
-            self.many = None
+            layout = blocks.integer_layout()
+            if isinstance(layout, str):
+                raise NotImplementedError(layout)
+            self.layout, self.few, self.many = layout, blocks.by_lanes(kernels.lanes), None
+            self.function = functools.partial(kernels.agentspec_int_product, layout.number(activations))
         else:
             # Two copies of the blocks, grouped for products of one or two rows and for more: one row
             # streams its tile of 8 outputs' blocks as one run of memory (about twice the bandwidth of
             # three runs per output), but the 2- and 4-output tiles of more rows read groups of 8 slower.
             self.few, self.many = (blocks.grouped(group) for group in GROUPS)
-        self.wide = activations in INTEGER_ACTIVATIONS and blocks.wide
-        self.function = getattr(kernels, (_WIDE_SYMBOLS if self.wide else _SYMBOLS)[blocks.kind, activations])
+            self.function = getattr(kernels, _SYMBOLS[blocks.kind])
         self.outputs, self.inputs = blocks.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -598,7 +638,8 @@ def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None, activation
 
 
 def _blocks_arg(product: BlockProduct) -> _BlocksArg:
-    kind = BLOCK_TYPES.index(product.kind) + len(BLOCK_TYPES) * ACTIVATIONS.index(product.activations) + WIDE_KIND * product.wide  # blocks.c: agentspec_blocks.kind
+    # blocks.c: agentspec_blocks.kind
+    kind = BLOCK_TYPES.index(product.kind) if product.layout is None else INTEGER_KIND + product.layout.number(product.activations)
     return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
 
 
