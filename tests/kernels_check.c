@@ -4,8 +4,8 @@
 
    For Q4_1 and Q8_0 blocks (random codes, scales that are float16 values) times float32, 8-bit and
    16-bit rows, Q8_16 (a scale per 16 weights) and Q8_1 (unsigned bytes, a minimum) blocks times
-   float32 rows, and the codes of Q4_0, Q5_0, Q5_1 and the K-quants' scales (no float16 values) in
-   the integer products' 4- and 5-bit layouts times 8- and 16-bit rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
+   float32 rows, and the codes of Q4_0, Q5_0, Q5_1, Q6_K (a scale per 16) and the K-quants' scales (no
+   float16 values) in the integer products' 4-, 5- and 6-bit layouts times 8- and 16-bit rows, it checks that a product is row- and thread-invariant (a row alone, among 16, in a
    subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
    dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
    decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
@@ -74,10 +74,11 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 
 /* The blocks checked: the kernels' four block types, and the GGUF types whose codes or scales the
    integer products read in layouts of their own (Q4_1-wide: Q4_K's scales and minimums, no float16
-   values; Q4_0 and Q5_0: Q8_0's blocks with 4- and 5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes) */
-enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_1_WIDE, Q4_0, Q5_0, Q5_1, Q5_K, KINDS };
-static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_1-wide", "Q4_0", "Q5_0", "Q5_1", "Q5_K"};
-static const int base[KINDS] = {Q4_1, Q8_0, Q8_16, Q8_1, Q4_1, Q8_0, Q8_0, Q8_1, Q8_1}; /* the block type its codes are stored as */
+   values; Q4_0 and Q5_0: Q8_0's blocks with 4- and 5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes;
+   Q6_K: Q8_16's with 6-bit codes and wide scales) */
+enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_1_WIDE, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, KINDS };
+static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_1-wide", "Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"};
+static const int base[KINDS] = {Q4_1, Q8_0, Q8_16, Q8_1, Q4_1, Q8_0, Q8_0, Q8_1, Q8_1, Q8_16}; /* the block type its codes are stored as */
 
 typedef struct {
     int kind, N, K;
@@ -86,7 +87,8 @@ typedef struct {
 } blocks;
 
 static int has_mins(int kind) { return base[kind] == Q4_1 || base[kind] == Q8_1; }
-static int is_wide(int kind) { return kind == Q4_1_WIDE || kind == Q5_K; }
+static int is_wide(int kind) { return kind == Q4_1_WIDE || kind == Q5_K || kind == Q6_K; }
+static int halves(int kind) { return base[kind] == Q8_16; } /* a scale per 16 weights */
 
 static blocks make_blocks(int kind, int N, int K) {
     const int nb = K / 32, bytes = base[kind] == Q4_1 ? 16 : 32;
@@ -95,7 +97,7 @@ static blocks make_blocks(int kind, int N, int K) {
     for (size_t i = 0; i < (size_t)N * nb * bytes; i++) {
         const uint32_t r = next();
         b.codes[i] = kind == Q4_0 ? (uint8_t)(int8_t)((int)(r % 16) - 8) : kind == Q5_0 ? (uint8_t)(int8_t)((int)(r % 32) - 16)
-                   : kind == Q5_1 || kind == Q5_K ? (uint8_t)(r % 32) : (uint8_t)r;
+                   : kind == Q6_K ? (uint8_t)(int8_t)((int)(r % 64) - 32) : kind == Q5_1 || kind == Q5_K ? (uint8_t)(r % 32) : (uint8_t)r;
     }
     for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f * widen;
     for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = has_mins(kind) ? -(float)(next() % 1000) / 8192.0f * widen : 0.0f;
@@ -131,18 +133,21 @@ static uint8_t *grouped(const blocks *b, int G) {
     return out;
 }
 
-/* The integer products' layout of a kind (Blocks.integer_layout): codes 0 (bytes), 1 (4-bit) or 2
-   (5-bit), minimums, wide scales; its number times 1 or 2 planes (blocks.c: INT_LAYOUT) */
-static int codes_of(int kind) { return kind == Q8_0 ? 0 : kind == Q4_1 || kind == Q4_1_WIDE || kind == Q4_0 ? 1 : 2; }
-static int layout_number(int kind, int planes) { return ((codes_of(kind) * 2 + has_mins(kind)) * 2 + is_wide(kind)) * 2 + planes - 1; }
+/* The integer products' layout of a kind (Blocks.integer_layout): codes 0 (bytes), 1 (4-bit), 2
+   (5-bit) or 3 (6-bit), minimums, wide scales, halves; its number times 1 or 2 planes (blocks.c: INT_LAYOUT) */
+static int codes_of(int kind) { return kind == Q8_0 ? 0 : kind == Q4_1 || kind == Q4_1_WIDE || kind == Q4_0 ? 1 : kind == Q6_K ? 3 : 2; }
+static int layout_number(int kind, int planes) {
+    return (((codes_of(kind) * 2 + has_mins(kind)) * 2 + is_wide(kind)) * 2 + halves(kind)) * 2 + planes - 1;
+}
 
 /* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
-   codes 4j..4j+3 as bytes, plus 128; or 4-bit codes as the file packs them, then a register of fifth
-   bits, bit 8i + j code 4j + i's), then the scales (and minimums) as float16 (wide: float32) */
+   codes 4j..4j+3 as bytes, plus 128; or 4-bit codes as the file packs them, then registers of fifth
+   and sixth bits, bit 8i + j code 4j + i's), then the scales (each half's with halves) and minimums
+   as float16 (wide: float32) */
 static uint8_t *by_lanes(const blocks *b, int L) {
-    const int codes = codes_of(b->kind), mins = has_mins(b->kind), size = is_wide(b->kind) ? 4 : 2; /* bytes of a scale */
-    const int nb = b->K / 32, bytes = codes == 0 ? 32 : codes == 1 ? 16 : 20, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (mins ? 2 : 1);
-    const int offset = mins ? 0 : codes == 0 ? 128 : codes == 1 ? 8 : 16;
+    const int codes = codes_of(b->kind), mins = has_mins(b->kind), size = is_wide(b->kind) ? 4 : 2, spans = halves(b->kind) ? 2 : 1;
+    const int nb = b->K / 32, bytes = codes == 0 ? 32 : 12 + 4 * codes, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (spans + mins);
+    const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes;
     uint8_t *out = calloc((size_t)groups * nb * per, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
@@ -154,13 +159,15 @@ static uint8_t *by_lanes(const blocks *b, int L) {
                 for (int i = 0; i < 32; i++) stored[i] = (uint8_t)q[i];
             } else {
                 for (int i = 0; i < 16; i++) stored[i] = (uint8_t)((q[i] & 15) | ((q[16 + i] & 15) << 4));
-                uint32_t fifth = 0;
-                for (int c = 0; c < 32; c++) fifth |= (uint32_t)((q[c] >> 4) & 1) << (8 * (c % 4) + c / 4);
-                for (int i = 0; i < 4; i++) stored[16 + i] = (uint8_t)(fifth >> (8 * i));
+                for (int bit = 4; bit < 3 + codes; bit++) { /* 5-bit: bit 4; 6-bit: bits 4 and 5 */
+                    uint32_t upper = 0;
+                    for (int c = 0; c < 32; c++) upper |= (uint32_t)((q[c] >> bit) & 1) << (8 * (c % 4) + c / 4);
+                    for (int i = 0; i < 4; i++) stored[16 + 4 * (bit - 4) + i] = (uint8_t)(upper >> (8 * i));
+                }
             }
             for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = stored[i];
             if (size == 4) {
-                memcpy(at + L * bytes + (n % L) * 4, b->d + src, 4);
+                for (int h = 0; h < spans; h++) memcpy(at + L * bytes + h * L * 4 + (n % L) * 4, b->d + src * spans + h, 4);
                 if (mins) memcpy(at + L * bytes + L * 4 + (n % L) * 4, b->m + src, 4);
                 continue;
             }
@@ -216,13 +223,18 @@ static double reference(const blocks *b, int activations, const float *x, int n)
         float top = 0.0f;
         for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(xb[i]));
         const float inverse = top > 0.0f ? top_code / top : 0.0f, d_a = top / top_code;
-        int64_t dot = 0, codes = 0;
-        for (int i = 0; i < 32; i++) {
-            const int64_t a = (int64_t)nearbyintf(xb[i] * inverse);
-            dot += a * code(b, n, k0 * 32 + i), codes += a;
-        }
+        const int spans = halves(b->kind) ? 2 : 1;
+        int64_t codes = 0;
         const size_t at = (size_t)n * nb + k0;
-        sum += (double)b->d[at] * d_a * (double)dot + (double)b->m[at] * ((double)d_a * (double)codes);
+        for (int h = 0; h < spans; h++) { /* a dot product per scale */
+            int64_t dot = 0;
+            for (int i = h * 32 / spans; i < (h + 1) * 32 / spans; i++) {
+                const int64_t a = (int64_t)nearbyintf(xb[i] * inverse);
+                dot += a * code(b, n, k0 * 32 + i), codes += a;
+            }
+            sum += (double)b->d[at * spans + h] * d_a * (double)dot;
+        }
+        sum += (double)b->m[at] * ((double)d_a * (double)codes);
     }
     return sum;
 }

@@ -50,13 +50,14 @@ def gguf_blocks(loaded):
 SAMPLES = {
     "Q4_1": ("Q4_1", None, False, IntegerLayout("4-bit", True, False)),
     "Q8_0": ("Q8_0", None, False, IntegerLayout("bytes", False, False)),
-    "Q8_16": ("Q8_16", None, False, None),  # a scale per 16: float32 rows only
+    "Q8_16": ("Q8_16", None, False, None),  # a scale per 16 on any byte: float32 rows only
     "Q8_1": ("Q8_1", None, False, None),  # unsigned bytes: float32 rows only
     "Q4_0": ("Q8_0", (-8, 7), False, IntegerLayout("4-bit", False, False)),
     "Q5_0": ("Q8_0", (-16, 15), False, IntegerLayout("5-bit", False, False)),
     "Q5_1": ("Q8_1", (0, 31), False, IntegerLayout("5-bit", True, False)),
     "Q4_K": ("Q4_1", None, True, IntegerLayout("4-bit", True, True)),
     "Q5_K": ("Q8_1", (0, 31), True, IntegerLayout("5-bit", True, True)),
+    "Q6_K": ("Q8_16", (-32, 31), True, IntegerLayout("6-bit", False, True, True)),
 }
 
 
@@ -72,7 +73,7 @@ def _random_blocks(sample: str, outputs: int, inputs: int, seed: int) -> Blocks:
         mins = (-torch.rand(outputs, blocks, generator=generator) * 0.1).half().float()
     else:
         mins = torch.zeros(outputs, blocks)
-    if wide:  # products of a float16 scale and a 6-bit one, as Q4_K's and Q5_K's: more than float16's 11 bits
+    if wide:  # products of a float16 scale and a 6- or 8-bit one, as the K-quants': more than float16's 11 bits
         scales, mins = scales * (1 + 2**-10), mins * (1 + 2**-10)
     return Blocks(kind, codes, scales, mins)
 
@@ -97,9 +98,12 @@ def _integer_reference(x: torch.Tensor, blocks: Blocks, activations: str) -> tor
     weights = blocks.codes.to(torch.int64)
     if blocks.kind == "Q4_1":
         weights = torch.cat([weights & 15, weights >> 4], dim=-1)
-    dots = torch.einsum("rbk,obk->rob", codes, weights).double()  # [rows, outputs, blocks], exact
+    outputs, per = weights.shape[0], 2 if blocks.kind == "Q8_16" else 1  # scales per block
+    spans = codes.view(rows, inputs // 32, per, -1), weights.view(outputs, inputs // 32, per, -1)
+    dots = torch.einsum("rbhk,obhk->robh", *spans).double()  # [rows, outputs, blocks, per], exact
+    scaled = (dots * blocks.scales.double().view(outputs, -1, per)[None]).sum(-1)
     sums = codes.sum(-1).double()
-    products = dots * blocks.scales.double()[None] * scale[:, None] + blocks.mins.double()[None] * (scale * sums)[:, None]
+    products = scaled * scale[:, None] + blocks.mins.double()[None] * (scale * sums)[:, None]
     return products.sum(-1)
 
 
@@ -114,7 +118,7 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     inputs, outputs = shape  # 1003 outputs: an odd last tile
     blocks = _random_blocks(kind, outputs, inputs, seed=outputs)
     if SAMPLES[kind][-1] is None and activations != "float32":
-        with pytest.raises(NotImplementedError, match="one scale per 32 weights" if kind == "Q8_16" else "up to 5 bits"):
+        with pytest.raises(NotImplementedError, match="up to 6 bits" if kind == "Q8_16" else "up to 5 bits"):
             block_product(blocks, activations=activations)
         return
     product = block_product(blocks, activations=activations)
@@ -141,16 +145,17 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     assert product(x[:0]).shape == (0, outputs)
 
 
-# Bytes a weight in the file, per GGUF type the samples stand for (GGUF_TYPES); Q4_K and Q5_K keep
-# each block's scale and minimum as float32 where the file has 6 bits of each per 32 weights
-FILE_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_1": 20, "Q5_1": 24, "Q4_K": 24, "Q5_K": 28}
+# Bytes per 32 weights in the file, per GGUF type the samples stand for (GGUF_TYPES); the K-quants
+# keep each block's scales (and minimums) as float32 where the file has 6 or 8 bits of each
+FILE_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_1": 20, "Q5_1": 24, "Q4_K": 24, "Q5_K": 28, "Q6_K": 32}
 
 
 @pytest.mark.parametrize("kind", [k for k, sample in SAMPLES.items() if sample[-1] is not None])
 def test_the_integer_products_read_each_type_in_its_own_bits(kind):
     """Q4_0's and Q5_0's codes (read as Q8_0's signed bytes) go back to 4 and 5 bits, Q5_1's and
-    Q5_K's (read as Q8_1's unsigned bytes) to 5, so a block takes the file's bytes again (Q4_K's and
-    Q5_K's float32 scales aside); Q8_0 blocks with one code outside 5 bits are read as bytes."""
+    Q5_K's (read as Q8_1's unsigned bytes) to 5, Q6_K's (Q8_16's) to 6, so a block takes the file's
+    bytes again (the K-quants' float32 scales aside); Q8_0 blocks with one code outside 5 bits are read
+    as bytes, Q8_16 blocks with one outside 6 bits are refused."""
     blocks = _random_blocks(kind, 40, 256, seed=3)
     assert blocks.integer_layout() == SAMPLES[kind][-1]
     for lanes in (4, 8, 16):  # NEON, AVX2, AVX-512
@@ -159,6 +164,10 @@ def test_the_integer_products_read_each_type_in_its_own_bits(kind):
         codes = blocks.codes.clone()
         codes[7, 3, 9] = INTEGER_OFFSETS["5-bit"]  # one code too many for 5 bits
         assert Blocks("Q8_0", codes, blocks.scales, blocks.mins).integer_layout() == IntegerLayout("bytes", False, False)
+    if blocks.kind == "Q8_16":
+        codes = blocks.codes.clone()
+        codes[7, 3, 9] = INTEGER_OFFSETS["6-bit"]
+        assert "span -32..32" in Blocks("Q8_16", codes, blocks.scales, blocks.mins).integer_unsupported()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
@@ -254,7 +263,7 @@ def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
             pytest.skip(f"{level.name} is checked with {cross} and {emulator}: install gcc-aarch64-linux-gnu and qemu-user (make install does, as root)")
         flags = [*kernel_flags(level.name, native=False), "-static"]  # qemu-user runs it without the other architecture's libraries
         printed[level.name] = _kernels_check(cross, flags, tmp_path / level.name, runner=[emulator])
-    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 4 + 2 * 7 + 4 + 1  # products, layers, "ok"
+    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 4 + 2 * 8 + 4 + 1  # products, layers, "ok"
     for level, lines in printed.items():
         assert lines == printed[levels[0]], level
 

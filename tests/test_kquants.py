@@ -149,9 +149,8 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     """Every linear weight of the file is read from its blocks (so the decoder layers run in one
     compiled call), and the pass gives the loaded model's logits: float32 rows to float32 rounding;
     16-bit rows within their tolerance, each type's blocks in its own bits (Q4_0's and Q5_0's codes
-    back in 4 and 5 bits, Q5_1's and Q5_K's in 5; Q4_K's and Q5_K's scales as float32, "wide": a
-    super-block's scale times a 6-bit one is no float16 value), but Q6_K's (a scale per 16) on
-    float32 rows."""
+    back in 4 and 5 bits, Q5_1's and Q5_K's in 5, Q6_K's in 6 with a scale per 16; the K-quants'
+    scales as float32, "wide": a super-block's scale times a 6- or 8-bit one is no float16 value)."""
     import gguf
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}
@@ -164,7 +163,8 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     rounded = select_weights(model, layout, "gguf-q16", mixed.gguf_file).forward
     assert isinstance(rounded, BlockPass)
     downs = [layer.down.layout for layer in rounded.layers]  # Q6_K, Q4_K, Q5_K
-    assert downs == [(None, IntegerLayout("4-bit", True, True), IntegerLayout("5-bit", True, True))[i % 3] for i in range(len(downs))]
+    wanted = (IntegerLayout("6-bit", False, True, True), IntegerLayout("4-bit", True, True), IntegerLayout("5-bit", True, True))
+    assert downs == [wanted[i % 3] for i in range(len(downs))]
     assert rounded.layers[2].o.layout == IntegerLayout("5-bit", True, False)  # Q5_1
     assert rounded.layers[0].gate_up.layout == IntegerLayout("5-bit", False, False)  # Q4_0 + Q5_0
     assert rounded.layers[0].qkv.layout == IntegerLayout("bytes", False, False)  # Q4_0 + Q5_0 + Q8_0

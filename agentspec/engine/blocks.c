@@ -565,6 +565,7 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
    product is an exact integer dot product of codes, scaled:
      with minimums (Q4_1, Q5_1, Q4_K, Q5_K): sum_k w x ~ d_w d_a sum(q a) + m_w (d_a sum(a))
      without (Q8_0, Q4_0, Q5_0):             sum_k w x ~ d_w d_a sum((q - offset) a)
+     a scale per 16 (Q6_K):                  sum_k w x ~ d_a sum_h d_h sum_h((q - offset) a), h each half
    The weights are the file's, unchanged; only the activations are rounded (q8: to 1/254 of a block's
    largest magnitude; q16: 1/65278), so these are another model's products than the float32 kernels
    above: "gguf-q8" is asked for by name, "gguf-q16" is a candidate of "auto" (weights.py).
@@ -586,20 +587,22 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
    - 5-bit: the 4-bit registers of the low bits, then one register of the fifth bits (lane o: bit
      8i + j is that of code 4j + i, so a shift puts codes 4j..4j+3's on bit 4 of their bytes); Q5_0's
      codes offset by 16;
-   then the LANES scales (and minimums) as float16 (exactly the file's) or, "wide", as float32 (Q4_K's
-   and Q5_K's: a super-block's float16 scale times a 6-bit one is no float16 value).
+   - 6-bit: the 5-bit registers, then one of the sixth bits, arranged as the fifth; Q6_K's offset by 32;
+   then the LANES scales (and minimums) as float16 (exactly the file's) or, "wide", as float32 (Q4_K's,
+   Q5_K's and Q6_K's: a super-block's float16 scale times a 6- or 8-bit one is no float16 value); with
+   a scale per 16 weights ("halves", Q6_K's), the LANES scales of each half block in turn.
 
    Each (row, output) pair is one lane taking the same integer dot products and float multiply-adds
    in the same order (no horizontal sum), whatever else shares the call and whichever thread and level
    computes it. Q5_0's 5-bit codes and the same blocks as bytes (code - 16 + 128) give the same
    integer sums, so the same bits. */
 
-enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2 };
-#define CODE_BYTES(codes) ((codes) == CODES_BYTES ? 32 : (codes) == CODES_4BIT ? 16 : 20) /* a block's codes, per output */
-/* a group's block: its codes, then its scales (and minimums), float16 or float32 ("wide") */
-#define INT_BYTES(codes, mins, wide) (LANES * CODE_BYTES(codes) + LANES * ((mins) ? 2 : 1) * ((wide) ? 4 : 2))
+enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2, CODES_6BIT = 3 };
+#define CODE_BYTES(codes) ((codes) == CODES_BYTES ? 32 : (codes) == CODES_4BIT ? 16 : (codes) == CODES_5BIT ? 20 : 24) /* a block's, per output */
+/* a group's block: its codes, then its scales (two with halves) and minimums, float16 or float32 ("wide") */
+#define INT_BYTES(codes, mins, wide, halves) (LANES * CODE_BYTES(codes) + LANES * (1 + (mins) + (halves)) * ((wide) ? 4 : 2))
 /* what the codes are offset by (subtracted from their dot product) in blocks without minimums */
-#define OFFSET(codes) ((codes) == CODES_BYTES ? (SIGNED_DOT ? 0 : 128) : (codes) == CODES_4BIT ? 8 : 16)
+#define OFFSET(codes) ((codes) == CODES_BYTES ? (SIGNED_DOT ? 0 : 128) : 8 << ((codes) - CODES_4BIT))
 #define REGISTER (LANES * 4)                                                       /* bytes of codes per register */
 #define ROWS8 8                                                                    /* rows per tile, at most */
 #if AGENTSPEC_VNNI
@@ -609,24 +612,28 @@ enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2 };
 #endif
 
 /* Row r, block b (at b * M + r: a block's rows side by side, at offsets fixed at compile time): its
-   codes at codes + (b * M + r) * ROW_BYTES; its scale d, d * sum(a) and sum(a). */
+   codes at codes + (b * M + r) * ROW_BYTES; its scale d, d * sum(a), sum(a) and the sum of its first
+   16 codes (for blocks with a scale per 16). */
 typedef struct {
     uint8_t *codes;
     float *scale, *scaled_sum;
-    int32_t *sum;
+    int32_t *sum, *half;
     int M;
 } agentspec_q8_rows;
 
 /* One block of 32 inputs of a row: a = round(x * inverse) into the level's codes; returns sum(a). One
    plane: a = round(x / d), d = max|x| / 127. Two planes (VNNI): a = round(x / d), d = max|x| / 32639,
    as 256 * high + low with high = floor((a + 128) / 256) and low = a - 256 * high, both in
-   [-128, 127]: a dot product with them is 256 * (the high plane's) + (the low plane's), exactly. */
-INLINE int32_t quantise_block(const float *xb, float inverse, const int planes, uint8_t *codes) {
+   [-128, 127]: a dot product with them is 256 * (the high plane's) + (the low plane's), exactly.
+   *half: the sum of the first 16. */
+INLINE int32_t quantise_block(const float *xb, float inverse, const int planes, uint8_t *codes, int32_t *half) {
     int32_t a[32];
     v16_round_to_int(v16_mul(v16_load(xb), v16_set1(inverse)), a);
     v16_round_to_int(v16_mul(v16_load(xb + 16), v16_set1(inverse)), a + 16);
     int32_t sum = 0;
-    for (int i = 0; i < 32; i++) sum += a[i];
+    for (int i = 0; i < 16; i++) sum += a[i];
+    *half = sum;
+    for (int i = 16; i < 32; i++) sum += a[i];
 #if AGENTSPEC_VNNI
     for (int i = 0; i < 32; i++) {
         if (planes == 1) {
@@ -656,20 +663,22 @@ static void quantise_rows(const float *x, int M, int K, const int planes, agents
             const float top = v16_top(v16_max(v16_abs(v16_load(xb)), v16_abs(v16_load(xb + 16))));
             const float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
             const size_t at = (size_t)b * M + r;
-            q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes));
+            q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes), q->half + at);
             q->scale[at] = d;
             q->scaled_sum[at] = d * (float)q->sum[at];
         }
 }
 
-/* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes (compile-
-   time constants at every call site). A block's dot product of a row, in 32-bit integers (|sum| <
-   2^29, so exact whatever the order): with VNNI two chains of vpdpbusd (one per plane, or halves of
-   the registers) to hide its latency; with vpmaddwd one chain of additions (1 cycle each), so 8 rows'
-   sums stay in 16 ymm registers. */
+/* Bit 8i + j of each lane of `bits` moved to bit 8i + to, the lane's other bits cleared. */
+INLINE vi bit_to(vi bits, int j, int to) {
+    const vi moved = j < to ? vi_shl(bits, to - j) : j > to ? vi_shr(bits, j - to) : bits;
+    return vi_and16(moved, (int16_t)(0x0101 << to));
+}
+
 /* The codes of register j (weights 4j..4j+3 of each lane's output), as 4 unsigned bytes a lane (in
-   the file's 4- and 5-bit codes: 0..31, so also signed bytes); `high`: the 5-bit codes' fifth bits. */
-INLINE vi codes_of(const int codes, const uint8_t *at, vi high, int j) {
+   the file's 4-, 5- and 6-bit codes: 0..63, so also signed bytes); `fifth`, `sixth`: the registers
+   of the 5- and 6-bit codes' upper bits (bit 8i + j of a lane: code 4j + i's). */
+INLINE vi codes_of(const int codes, const uint8_t *at, vi fifth, vi sixth, int j) {
     if (codes == CODES_BYTES) {
         const vi raw = vi_load(at + REGISTER * j);
 #if SIGNED_DOT
@@ -680,65 +689,72 @@ INLINE vi codes_of(const int codes, const uint8_t *at, vi high, int j) {
     }
     const vi low = vi_and16(vi_shr16(vi_load(at + REGISTER * (j % 4)), j < 4 ? 0 : 4), 0x0F0F); /* low nibbles, then high ones */
     if (codes == CODES_4BIT) return low;
-    const vi fifth = j < 4 ? vi_shl(high, 4 - j) : vi_shr(high, j - 4); /* bit 8i + j -> 8i + 4 */
-    return vi_or(low, vi_and16(fifth, 0x1010));
+    const vi five = vi_or(low, bit_to(fifth, j, 4));
+    return codes == CODES_5BIT ? five : vi_or(five, bit_to(sixth, j, 5));
 }
 
 /* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes, blocks
-   of `codes` with or without minimums, `wide` scales (compile-time constants at every call site). A
-   block's dot product of a row, in 32-bit integers (|sum| < 2^29, so exact whatever the order): with
+   of `codes` with or without minimums, `wide` scales, a scale per block or per half ("halves": the
+   dot products of registers 0..3 and 4..7 scaled apart), all compile-time constants at every call
+   site. A dot product of a row, in 32-bit integers (|sum| < 2^29, so exact whatever the order): with
    VNNI two chains of vpdpbusd (one per plane, or halves of the registers) to hide its latency; with
    vpmaddwd one chain of additions (1 cycle each), so 8 rows' sums stay in 16 ymm registers. */
-INLINE void int_tile(const int codes, const int mins, const int wide, const int planes, const agentspec_q8_rows *q, const int rows, int K, const uint8_t *w,
-                     float *y, int N, int g) {
-    const int nb = K / 32, bytes = INT_BYTES(codes, mins, wide), scales = LANES * CODE_BYTES(codes), offset = mins ? 0 : OFFSET(codes);
+INLINE void int_tile(const int codes, const int mins, const int wide, const int halves, const int planes, const agentspec_q8_rows *q, const int rows,
+                     int K, const uint8_t *w, float *y, int N, int g) {
+    const int nb = K / 32, bytes = INT_BYTES(codes, mins, wide, halves), scales = LANES * CODE_BYTES(codes), size = wide ? 4 : 2;
+    const int offset = mins ? 0 : OFFSET(codes), spans = halves ? 2 : 1, span = 8 / spans; /* registers per scale */
     vf acc[ROWS8];
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
         const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
         for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
-        const vi high = codes == CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
-        vi part[ROWS8][2];
-        UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
+        const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
+        const vi sixth = codes == CODES_6BIT ? vi_load(at + 5 * REGISTER) : vi_zero();
+        UNROLL for (int h = 0; h < spans; h++) {
+            vi part[ROWS8][2];
+            UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
 #if AGENTSPEC_VNNI
-        UNROLL
+            UNROLL
 #else
-        _Pragma("GCC unroll 1") /* unrolled, GCC reassociates the exact sums into trees of spilled registers */
+            _Pragma("GCC unroll 1") /* unrolled, GCC reassociates the exact sums into trees of spilled registers */
 #endif
-        for (int j = 0; j < 8; j++) { /* register j: weights 4j..4j+3 of each lane's output */
-            const vi u = codes_of(codes, at, high, j);
+            for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
+                const vi u = codes_of(codes, at, fifth, sixth, j);
 #if AGENTSPEC_VNNI
-            UNROLL for (int r = 0; r < ROWS8; r++) {
-                if (r < rows) {
-                    const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
-                    if (planes == 2) {
-                        part[r][0] = vi_dot4(part[r][0], u, vi_set1(a[j]));
-                        part[r][1] = vi_dot4(part[r][1], u, vi_set1(a[8 + j]));
-                    } else {
-                        part[r][j % 2] = vi_dot4(part[r][j % 2], u, vi_set1(a[j]));
+                UNROLL for (int r = 0; r < ROWS8; r++) {
+                    if (r < rows) {
+                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
+                        if (planes == 2) {
+                            part[r][0] = vi_dot4(part[r][0], u, vi_set1(a[j]));
+                            part[r][1] = vi_dot4(part[r][1], u, vi_set1(a[8 + j]));
+                        } else {
+                            part[r][j % 2] = vi_dot4(part[r][j % 2], u, vi_set1(a[j]));
+                        }
                     }
                 }
-            }
 #else
-            const vi even = vi_and16(u, 0x00FF), odd = vi_shr16(u, 8); /* bytes 0, 2 and 1, 3 */
+                const vi even = vi_and16(u, 0x00FF), odd = vi_shr16(u, 8); /* bytes 0, 2 and 1, 3 */
+                UNROLL for (int r = 0; r < ROWS8; r++) {
+                    if (r < rows) {
+                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
+                        part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(even, vi_set1(a[2 * j]))), vi_madd16(odd, vi_set1(a[2 * j + 1])));
+                    }
+                }
+#endif
+            }
+            const uint8_t *scale = at + scales + h * LANES * size;
+            const vf d = wide ? vf_load(scale) : vf_load_half(scale);
+            const vf m = !mins ? vf_zero() : wide ? vf_load(scale + LANES * size) : vf_load_half(scale + LANES * size);
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
-                    const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
-                    part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(even, vi_set1(a[2 * j]))), vi_madd16(odd, vi_set1(a[2 * j + 1])));
+                    const size_t rb = rows_at + r;
+                    vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
+                    const int32_t sum = !halves ? q->sum[rb] : h == 0 ? q->half[rb] : q->sum[rb] - q->half[rb]; /* of the span's codes */
+                    if (offset) dot = vi_sub(dot, vi_set1(offset * sum));
+                    acc[r] = vf_fmadd(vf_from_vi(dot), vf_mul(d, vf_set1(q->scale[rb])), acc[r]);
+                    if (mins) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
                 }
-            }
-#endif
-        }
-        const vf d = wide ? vf_load(at + scales) : vf_load_half(at + scales);
-        const vf m = !mins ? vf_zero() : wide ? vf_load(at + scales + 4 * LANES) : vf_load_half(at + scales + 2 * LANES);
-        UNROLL for (int r = 0; r < ROWS8; r++) {
-            if (r < rows) {
-                const size_t rb = rows_at + r;
-                vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
-                if (offset) dot = vi_sub(dot, vi_set1(offset * q->sum[rb]));
-                acc[r] = vf_fmadd(vf_from_vi(dot), vf_mul(d, vf_set1(q->scale[rb])), acc[r]);
-                if (mins) acc[r] = vf_fmadd(m, vf_set1(q->scaled_sum[rb]), acc[r]);
             }
         }
     }
@@ -747,42 +763,45 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(CODES, MINS, WIDE, PLANES, ROWS)                                                 \
+#define INT_CHUNK(CODES, MINS, WIDE, HALVES, PLANES, ROWS)                                         \
     {                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, WIDE, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, WIDE, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
-#define INT_PRODUCT(CODES, MINS, WIDE, PLANES)                                                     \
+#define INT_PRODUCT(CODES, MINS, WIDE, HALVES, PLANES)                                             \
     {                                                                                              \
         const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
-        agentspec_q8_rows q = {malloc((size_t)M * nb * ROW_BYTES(PLANES)), malloc(sizeof(float) * M * nb), malloc(sizeof(float) * M * nb), malloc(sizeof(int32_t) * M * nb), M}; \
+        const size_t n = (size_t)M * nb;                                                          \
+        agentspec_q8_rows q = {malloc(n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
+                               malloc(sizeof(int32_t) * n), M};                                    \
         quantise_rows(x, M, K, PLANES, &q);                                                        \
         for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                    \
-            const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, M}; \
-            BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, PLANES)                                 \
+            const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
+            BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, HALVES, PLANES)                         \
         }                                                                                          \
-        free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum);                             \
+        free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \
     }
 
-/* An integer layout's number (blocks.py: Blocks.integer_layout): its codes, minimums (0, 1), wide
-   scales (0, 1) and activation planes (1: "q8", 2: "q16"). */
-#define INT_LAYOUT(CODES, MINS, WIDE, PLANES) ((((CODES) * 2 + (MINS)) * 2 + (WIDE)) * 2 + (PLANES) - 1)
-#define INT_CASE(CODES, MINS, WIDE)                                                                \
-    case INT_LAYOUT(CODES, MINS, WIDE, 1): INT_PRODUCT(CODES, MINS, WIDE, 1) break;                \
-    case INT_LAYOUT(CODES, MINS, WIDE, 2): INT_PRODUCT(CODES, MINS, WIDE, 2) break;
+/* An integer layout's number (blocks.py: IntegerLayout.number): its codes, minimums (0, 1), wide
+   scales (0, 1), scales per half block (0, 1) and activation planes (1: "q8", 2: "q16"). */
+#define INT_LAYOUT(CODES, MINS, WIDE, HALVES, PLANES) (((((CODES) * 2 + (MINS)) * 2 + (WIDE)) * 2 + (HALVES)) * 2 + (PLANES) - 1)
+#define INT_CASE(CODES, MINS, WIDE, HALVES)                                                        \
+    case INT_LAYOUT(CODES, MINS, WIDE, HALVES, 1): INT_PRODUCT(CODES, MINS, WIDE, HALVES, 1) break; \
+    case INT_LAYOUT(CODES, MINS, WIDE, HALVES, 2): INT_PRODUCT(CODES, MINS, WIDE, HALVES, 2) break;
 
 /* x @ W.T on integer rows; w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. The
    layouts a GGUF file's blocks take (the others abort: blocks.py never passes them). */
 void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads) {
     switch (layout) {
-        INT_CASE(CODES_BYTES, 0, 0) /* Q8_0 */
-        INT_CASE(CODES_4BIT, 0, 0)  /* Q4_0 */
-        INT_CASE(CODES_4BIT, 1, 0)  /* Q4_1 */
-        INT_CASE(CODES_4BIT, 1, 1)  /* Q4_K */
-        INT_CASE(CODES_5BIT, 0, 0)  /* Q5_0 */
-        INT_CASE(CODES_5BIT, 1, 0)  /* Q5_1 */
-        INT_CASE(CODES_5BIT, 1, 1)  /* Q5_K */
+        INT_CASE(CODES_BYTES, 0, 0, 0) /* Q8_0 */
+        INT_CASE(CODES_4BIT, 0, 0, 0)  /* Q4_0 */
+        INT_CASE(CODES_4BIT, 1, 0, 0)  /* Q4_1 */
+        INT_CASE(CODES_4BIT, 1, 1, 0)  /* Q4_K */
+        INT_CASE(CODES_5BIT, 0, 0, 0)  /* Q5_0 */
+        INT_CASE(CODES_5BIT, 1, 0, 0)  /* Q5_1 */
+        INT_CASE(CODES_5BIT, 1, 1, 0)  /* Q5_K */
+        INT_CASE(CODES_6BIT, 0, 1, 1)  /* Q6_K */
     default: abort();
     }
 }

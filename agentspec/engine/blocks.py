@@ -68,7 +68,7 @@ BLOCK = 32  # weights per block, both types
 GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2 rows, of more (FEW, MANY in blocks.c)
 # The kernels' blocks of 32 weights (blocks.c): Q4_1 (4-bit codes, a scale and a minimum), Q8_0
 # (signed bytes, a scale), Q8_16 (signed bytes, a scale per 16) and Q8_1 (unsigned bytes, a scale and
-# a minimum). The integer products take all but Q8_16, in the file's own bytes (IntegerLayout).
+# a minimum). The integer products take each in as many bits as its codes need (IntegerLayout).
 BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16", "Q8_1")
 # The GGUF types read into them, each weight exactly as the GGUF reader dequantises it: (weights per
 # block, bytes per block). Q4_0 and Q5_0 become Q8_0 (code - 8 or - 16, the block's scale); Q4_K
@@ -90,10 +90,11 @@ INTEGER_ACTIVATIONS = ("q8", "q16")
 _SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product", "Q8_16": "agentspec_q8_16_product", "Q8_1": "agentspec_q8_1_product"}
 # The integer products' codes (blocks.c: CODES_*), as many bytes a weight as the file's: signed bytes
 # (Q8_0's, stored + 128), 4-bit codes two to a byte as the file packs them (Q4_0's, Q4_1's, Q4_K's),
-# and 5-bit ones (Q5_0's, Q5_1's, Q5_K's: the 4-bit registers, then one register of the fifth bits).
-# Blocks without minimums store their codes offset to unsigned ones: by 128, 8 and 16.
-INTEGER_CODES = ("bytes", "4-bit", "5-bit")
-INTEGER_OFFSETS = {"bytes": 128, "4-bit": 8, "5-bit": 16}
+# 5-bit ones (Q5_0's, Q5_1's, Q5_K's: the 4-bit registers, then one register of the fifth bits) and
+# 6-bit ones (Q6_K's: the 5-bit registers, then one of the sixth bits). Blocks without minimums store
+# their codes offset to unsigned ones: by 128, 8, 16 and 32.
+INTEGER_CODES = ("bytes", "4-bit", "5-bit", "6-bit")
+INTEGER_OFFSETS = {"bytes": 128, "4-bit": 8, "5-bit": 16, "6-bit": 32}
 INTEGER_KIND = 4  # blocks.c: agentspec_blocks.kind of the blocks of integer rows, plus their layout's number
 
 
@@ -103,11 +104,13 @@ class IntegerLayout:
 
     codes: str  # one of INTEGER_CODES
     mins: bool  # a minimum per block (else the codes are offset: INTEGER_OFFSETS)
-    wide: bool  # scales (and minimums) as float32: they are no float16 values (Q4_K's, Q5_K's)
+    wide: bool  # scales (and minimums) as float32: they are no float16 values (the K-quants')
+    halves: bool = False  # a scale per 16 weights (Q6_K's)
 
     def number(self, activations: str) -> int:
         """blocks.c's INT_LAYOUT of these blocks times ``activations`` ("q8" or "q16")."""
-        return ((INTEGER_CODES.index(self.codes) * 2 + self.mins) * 2 + self.wide) * 2 + INTEGER_ACTIVATIONS.index(activations)
+        number = ((INTEGER_CODES.index(self.codes) * 2 + self.mins) * 2 + self.wide) * 2 + self.halves
+        return number * 2 + INTEGER_ACTIVATIONS.index(activations)
 
 
 @dataclass(frozen=True)
@@ -368,21 +371,24 @@ class Blocks:
     def integer_layout(self) -> IntegerLayout | str:
         """How the integer products read these blocks (``by_lanes``), or why they cannot: in as few
         bits as their codes take (Q4_0's and Q5_0's, read as Q8_0, back to 4 and 5 bits; Q5_1's and
-        Q5_K's, read as Q8_1, to 5), with float32 scales where they are no float16 values."""
-        if self.kind == "Q8_16":
-            return "the integer products take blocks with one scale per 32 weights (Q6_K's have one per 16)"
+        Q5_K's, read as Q8_1, to 5; Q6_K's, read as Q8_16, to 6), with float32 scales where they are
+        no float16 values."""
         values = (self.scales, self.mins) if self.has_mins else (self.scales,)
         wide = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
         if self.kind == "Q4_1":
             return IntegerLayout("4-bit", True, wide)
         low, high = (int(v) for v in torch.aminmax(self.codes)) if self.codes.numel() else (0, 0)
+        if self.kind == "Q8_16":  # Q6_K's: a scale per 16 weights, products of the super-block's (wide)
+            if low < -32 or high > 31:
+                return f"the integer products take blocks with a scale per 16 weights in codes of up to 6 bits, and these span {low}..{high}"
+            return IntegerLayout("6-bit", False, True, True)
         if self.kind == "Q8_1":
             if high > 31:
                 return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
             return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, wide)
         if wide:
             return "the integer products keep the scales of blocks without minimums as float16, and these are not float16 values"
-        fits = [codes for codes in INTEGER_CODES[1:] if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
+        fits = [codes for codes in ("4-bit", "5-bit") if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
         return IntegerLayout(fits[0] if fits else "bytes", False, False)
 
     def by_lanes(self, lanes: int) -> torch.Tensor:
@@ -390,10 +396,11 @@ class Blocks:
         outputs to a register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of
         ``lanes`` (the last padded with zeros); per group, its blocks in input order, each its codes as
         registers of ``lanes`` 4-byte lanes, then the ``lanes`` scales (and minimums) as float16 — the
-        file's own values — or, wide, as float32: ``[groups, inputs / 32, bytes per block]``. Register
-        j, lane o: output o's codes 4j..4j+3 as bytes (plus 128); or, 4- and 5-bit codes, the bytes
-        holding codes 4j..4j+3 in their low nibbles and 16+4j.. in their high ones (registers 0..3),
-        and the fifth bits (register 4: bit 8i + j is code 4j + i's)."""
+        file's own values — or, wide, as float32 (halves: the ``lanes`` scales of each half block in
+        turn): ``[groups, inputs / 32, bytes per block]``. Register j, lane o: output o's codes
+        4j..4j+3 as bytes (plus 128); or, 4-, 5- and 6-bit codes, the bytes holding codes 4j..4j+3 in
+        their low nibbles and 16+4j.. in their high ones (registers 0..3), then the fifth bits
+        (register 4: bit 8i + j is code 4j + i's) and the sixth (register 5, arranged the same)."""
         layout = self.integer_layout()
         if isinstance(layout, str):
             raise NotImplementedError(layout)
@@ -408,18 +415,19 @@ class Blocks:
             stored = codes.to(torch.uint8)
         else:
             stored = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)  # as the file packs 4-bit codes
-            if layout.codes == "5-bit":
-                index = torch.arange(BLOCK)
-                bits = ((codes.to(torch.int64) >> 4) << (8 * (index % 4) + index // 4)).sum(-1)  # [outputs, blocks]
+            index = torch.arange(BLOCK)
+            for bit in range(4, 4 + INTEGER_CODES.index(layout.codes) - 1):  # 5-bit: bit 4; 6-bit: bits 4 and 5
+                bits = (((codes.to(torch.int64) >> bit) & 1) << (8 * (index % 4) + index // 4)).sum(-1)  # [outputs, blocks]
                 stored = torch.cat([stored, torch.stack([(bits >> (8 * k)) & 255 for k in range(4)], dim=-1)], dim=-1)
             stored = stored.to(torch.uint8)
         stored = torch.cat([stored, stored.new_zeros(pad, *stored.shape[1:])])
-        registers = stored.shape[-1] // 4  # 8 (bytes), 4 (4-bit) or 5 (5-bit)
+        registers = stored.shape[-1] // 4  # 8 (bytes), 4 (4-bit), 5 (5-bit) or 6 (6-bit)
         parts = [stored.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)]
         dtype = torch.float32 if layout.wide else torch.float16
         for values in (self.scales, self.mins) if layout.mins else (self.scales,):
-            scale = torch.cat([values.to(dtype), values.new_zeros(pad, blocks, dtype=dtype)])
-            parts.append(scale.view(groups, lanes, blocks).transpose(1, 2).contiguous().view(torch.uint8))
+            values = values.reshape(outputs, blocks, -1).to(dtype)  # [outputs, blocks, 1 or 2 (halves)]
+            scale = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
+            parts.append(scale.view(groups, lanes, blocks, -1).permute(0, 2, 3, 1).contiguous().view(groups, blocks, -1).view(torch.uint8))
         return torch.cat(parts, dim=-1).contiguous()
 
     def integer_unsupported(self) -> str | None:
@@ -562,7 +570,7 @@ class GGUFBlocks:
     ``linear`` makes the fused pass's products (``FusedPass(model, blocks.linear)``): on the
     blocks where every stacked weight has them of one kind (times float32 rows, or rows quantised to 8
     or 16 bits with ``activations="q8"`` or ``"q16"`` — float32 rows for blocks the integer products do
-    not take: Q6_K's, Q4_K's), else with ``fallback`` (oneDNN-packed float32).
+    not take: ``Blocks.integer_layout`` says why), else with ``fallback`` (oneDNN-packed float32).
     ``blocks``: what ``read_blocks(model, gguf_file)`` gave, where it was read already. ``isa``: the
     kernels' instruction-set level (``LEVEL_NAMES``; default the fastest here, capped by
     ``$AGENTSPEC_ISA``): every level gives the same bits, at its own speed."""
