@@ -579,7 +579,7 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
    Codes are unsigned: sum((q - offset) a) = sum(q a) - offset sum(a), exactly, in 32-bit integers.
 
    Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
-   its blocks in input order, each as many bytes a weight as the file's. A block's codes, one of three
+   its blocks in input order, each as many bytes a weight as the file's. A block's codes, one of four
    kinds (CODES_*):
    - bytes: 8 registers (register j, lane o: output o's codes 4j..4j+3), Q8_0's + 128 (offset 128);
    - 4-bit: 4 registers (register j, lane o: the byte holding codes 4j..4j+3 of output o in its low

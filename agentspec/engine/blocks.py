@@ -372,7 +372,11 @@ class Blocks:
         """How the integer products read these blocks (``by_lanes``), or why they cannot: in as few
         bits as their codes take (Q4_0's and Q5_0's, read as Q8_0, back to 4 and 5 bits; Q5_1's and
         Q5_K's, read as Q8_1, to 5; Q6_K's, read as Q8_16, to 6), with float32 scales where they are
-        no float16 values."""
+        no float16 values. Found once per matrix (it reads every code and scale)."""
+        return self._integer_layout
+
+    @functools.cached_property
+    def _integer_layout(self) -> IntegerLayout | str:
         values = (self.scales, self.mins) if self.has_mins else (self.scales,)
         wide = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
         if self.kind == "Q4_1":
@@ -616,11 +620,9 @@ class BlockProduct:
         self.kind, self.activations, self.isa = blocks.kind, activations, kernels.isa
         self.layout: IntegerLayout | None = None  # how the integer products read the blocks
         if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads a register's outputs' blocks as one run of memory
-            layout = blocks.integer_layout()
-            if isinstance(layout, str):
-                raise NotImplementedError(layout)
-            self.layout, self.few, self.many = layout, blocks.by_lanes(kernels.lanes), None
-            self.function = functools.partial(kernels.agentspec_int_product, layout.number(activations))
+            self.few, self.many = blocks.by_lanes(kernels.lanes), None  # NotImplementedError where integer_layout says why not
+            self.layout = blocks.integer_layout()
+            self.function = functools.partial(kernels.agentspec_int_product, self.layout.number(activations))
         else:
             # Two copies of the blocks, grouped for products of one or two rows and for more: one row
             # streams its tile of 8 outputs' blocks as one run of memory (about twice the bandwidth of
