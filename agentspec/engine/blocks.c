@@ -68,6 +68,11 @@ INLINE float sum8(__m256 t) {
     const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1));
 }
+/* vpshufb's indices of each 32-bit lane's bytes 0, 1 (upper: 2, 3), each followed by a zero byte */
+INLINE __m128i byte_pairs(int upper) {
+    const int k = upper ? 2 : 0;
+    return _mm_setr_epi8(k, -1, k + 1, -1, 4 + k, -1, 5 + k, -1, 8 + k, -1, 9 + k, -1, 12 + k, -1, 13 + k, -1);
+}
 #endif
 
 #if AGENTSPEC_WIDTH == 512
@@ -90,8 +95,9 @@ INLINE v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }  
 INLINE v16 v16_fnmadd(v16 a, v16 b, v16 c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a * b, rounded once */
 INLINE v16 v16_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE v16 v16_scale2(v16 p, v16 n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, n integral in [-126, 128] */
-/* rounded to integers (nearest, ties to even: the default rounding mode) */
-INLINE void v16_round_to_int(v16 a, int32_t out[16]) { _mm512_storeu_si512(out, _mm512_cvtps_epi32(a)); }
+/* 16 lanes holding integers of [-128, 127] ([-32768, 32767]) stored as bytes (16-bit integers) */
+INLINE void v16_store_i8(int8_t out[16], v16 a) { _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a))); }
+INLINE void v16_store_i16(int16_t out[16], v16 a) { _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a))); }
 INLINE float v16_top(v16 a) { return _mm512_reduce_max_ps(a); }
 /* 16 float16 values, converted exactly; rounded to nearest-even the other way (as torch rounds) */
 INLINE v16 v16_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -148,6 +154,8 @@ INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm512_and_si512(a, _mm512_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm512_srli_epi16(a, n); } /* each 16-bit half, logical */
 INLINE vi vi_madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }  /* lane: a.lo16 * b.lo16 + a.hi16 * b.hi16, exact */
+/* each lane's bytes 0, 1 (upper: 2, 3) as its two 16-bit halves, zero-extended */
+INLINE vi vi_bytes16(vi a, int upper) { return _mm512_shuffle_epi8(a, _mm512_broadcast_i32x4(byte_pairs(upper))); }
 #if AGENTSPEC_VNNI
 INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); } /* lane: acc + 4 unsigned x signed bytes, exact */
 #endif
@@ -181,15 +189,18 @@ INLINE __m256 scale2(__m256 p, __m256 n) {
     return _mm256_mul_ps(_mm256_mul_ps(p, pow2(half)), pow2(_mm256_sub_epi32(k, half)));
 }
 INLINE v16 v16_scale2(v16 p, v16 n) { return (v16){scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
-INLINE void v16_round_to_int(v16 a, int32_t out[16]) {
-    _mm256_storeu_si256((__m256i *)out, _mm256_cvtps_epi32(a.lo));
-    _mm256_storeu_si256((__m256i *)(out + 8), _mm256_cvtps_epi32(a.hi));
+/* the 16 lanes as 16-bit integers in lane order (vpackssdw interleaves the 128-bit halves: put back) */
+INLINE __m256i to_i16(v16 a) { return _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)), _MM_SHUFFLE(3, 1, 2, 0)); }
+INLINE void v16_store_i16(int16_t out[16], v16 a) { _mm256_storeu_si256((__m256i *)out, to_i16(a)); }
+INLINE void v16_store_i8(int8_t out[16], v16 a) {
+    const __m256i w = to_i16(a);
+    _mm_storeu_si128((__m128i *)out, _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
 }
 INLINE float v16_top(v16 a) {
     const __m256 t = _mm256_max_ps(a.lo, a.hi);
     const __m128 u = _mm_max_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
     const __m128 v = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
-    return fmaxf(_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)));
+    return _mm_cvtss_f32(_mm_max_ss(v, _mm_shuffle_ps(v, v, 1)));
 }
 INLINE v16 v16_load_half(const uint16_t *p) {
     return (v16){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
@@ -266,6 +277,7 @@ INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm256_and_si256(a, _mm256_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 INLINE vi vi_madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
+INLINE vi vi_bytes16(vi a, int upper) { return _mm256_shuffle_epi8(a, _mm256_broadcastsi128_si256(byte_pairs(upper))); }
 #if AGENTSPEC_VNNI
 #if defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
 INLINE vi vi_dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); } /* AVX-VNNI (VEX) */
@@ -303,7 +315,11 @@ INLINE v16 v16_scale2(v16 p, v16 n) {
     }
     return p;
 }
-INLINE void v16_round_to_int(v16 a, int32_t out[16]) { for (int i = 0; i < 4; i++) vst1q_s32(out + 4 * i, vcvtnq_s32_f32(a.q[i])); }
+INLINE void v16_store_i8(int8_t out[16], v16 a) {
+    int16x4_t w[4];
+    for (int i = 0; i < 4; i++) w[i] = vmovn_s32(vcvtnq_s32_f32(a.q[i]));
+    vst1q_s8(out, vcombine_s8(vmovn_s16(vcombine_s16(w[0], w[1])), vmovn_s16(vcombine_s16(w[2], w[3]))));
+}
 INLINE float v16_top(v16 a) { return vmaxvq_f32(vmaxq_f32(vmaxq_f32(a.q[0], a.q[1]), vmaxq_f32(a.q[2], a.q[3]))); }
 INLINE v16 v16_load_half(const uint16_t *p) {
     v16 a;
@@ -575,7 +591,7 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
      bytes per lane. q16 rows are split exactly into two planes of bytes (a = 256 high + low), so a
      block takes two dot products per register.
    - otherwise (AVX2, AVX-512 without VNNI): vpmaddwd on 16-bit halves of the lanes, codes widened
-     by a mask and a shift, activations kept as 16-bit integers (both q8 and q16: one plane).
+     by a byte shuffle, activations kept as 16-bit integers (both q8 and q16: one plane).
    Codes are unsigned: sum((q - offset) a) = sum(q a) - offset sum(a), exactly, in 32-bit integers.
 
    Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
@@ -608,7 +624,7 @@ enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2, CODES_6BIT = 3 };
 #if AGENTSPEC_VNNI
 #define ROW_BYTES(planes) (32 * (planes)) /* a row's block: its planes of 32 signed bytes */
 #else
-#define ROW_BYTES(planes) 64 /* a row's block: per register j, the 16-bit pairs (a[4j], a[4j+2]), (a[4j+1], a[4j+3]) */
+#define ROW_BYTES(planes) 64 /* a row's block: its 32 activations as 16-bit integers */
 #endif
 
 /* Row r, block b (at b * M + r: a block's rows side by side, at offsets fixed at compile time): its
@@ -625,48 +641,41 @@ typedef struct {
    plane: a = round(x / d), d = max|x| / 127. Two planes (VNNI): a = round(x / d), d = max|x| / 32639,
    as 256 * high + low with high = floor((a + 128) / 256) and low = a - 256 * high, both in
    [-128, 127]: a dot product with them is 256 * (the high plane's) + (the low plane's), exactly.
-   *half: the sum of the first 16. */
+   Without VNNI the codes are a as 16-bit integers. *half: the sum of the first 16. All of it in
+   float lanes, exactly: the a are integers of at most 2^15, their sums below 2^24, and high is
+   a / 256 + 1 / 512 rounded to nearest (a multiple of 1/512 that is never a tie). */
 INLINE int32_t quantise_block(const float *xb, float inverse, const int planes, uint8_t *codes, int32_t *half) {
-    int32_t a[32];
-    v16_round_to_int(v16_mul(v16_load(xb), v16_set1(inverse)), a);
-    v16_round_to_int(v16_mul(v16_load(xb + 16), v16_set1(inverse)), a + 16);
-    int32_t sum = 0;
-    for (int i = 0; i < 16; i++) sum += a[i];
-    *half = sum;
-    for (int i = 16; i < 32; i++) sum += a[i];
+    const v16 a0 = v16_round(v16_mul(v16_load(xb), v16_set1(inverse))), a1 = v16_round(v16_mul(v16_load(xb + 16), v16_set1(inverse)));
+    *half = (int32_t)v16_sum(a0);
 #if AGENTSPEC_VNNI
-    for (int i = 0; i < 32; i++) {
-        if (planes == 1) {
-            codes[i] = (uint8_t)(int8_t)a[i];
-        } else {
-            const int32_t high = (a[i] + 128) >> 8; /* arithmetic shift: floor */
-            codes[i] = (uint8_t)(int8_t)high;
-            codes[32 + i] = (uint8_t)(int8_t)(a[i] - 256 * high);
-        }
+    if (planes == 1) {
+        v16_store_i8((int8_t *)codes, a0);
+        v16_store_i8((int8_t *)codes + 16, a1);
+    } else {
+        const v16 high0 = v16_round(v16_mul(v16_add(a0, v16_set1(0.5f)), v16_set1(1.0f / 256))),
+                  high1 = v16_round(v16_mul(v16_add(a1, v16_set1(0.5f)), v16_set1(1.0f / 256)));
+        v16_store_i8((int8_t *)codes, high0);
+        v16_store_i8((int8_t *)codes + 16, high1);
+        v16_store_i8((int8_t *)codes + 32, v16_fnmadd(high0, v16_set1(256.0f), a0));
+        v16_store_i8((int8_t *)codes + 48, v16_fnmadd(high1, v16_set1(256.0f), a1));
     }
 #else
-    int16_t *pairs = (int16_t *)codes;
-    for (int j = 0; j < 8; j++) {
-        pairs[4 * j] = (int16_t)a[4 * j], pairs[4 * j + 1] = (int16_t)a[4 * j + 2];
-        pairs[4 * j + 2] = (int16_t)a[4 * j + 1], pairs[4 * j + 3] = (int16_t)a[4 * j + 3];
-    }
+    v16_store_i16((int16_t *)codes, a0);
+    v16_store_i16((int16_t *)codes + 16, a1);
 #endif
-    return sum;
+    return (int32_t)v16_sum(v16_add(a0, a1));
 }
 
-static void quantise_rows(const float *x, int M, int K, const int planes, agentspec_q8_rows *q) {
-    const int nb = K / 32;
+/* Block b of row r of x ([M, K]) quantised into q. */
+INLINE void quantise_row_block(const float *x, int K, const int planes, agentspec_q8_rows *q, int r, int b) {
     const float top_code = planes == 1 ? 127.0f : 32639.0f;
-    for (int r = 0; r < M; r++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (size_t)r * K + (size_t)b * 32;
-            const float top = v16_top(v16_max(v16_abs(v16_load(xb)), v16_abs(v16_load(xb + 16))));
-            const float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
-            const size_t at = (size_t)b * M + r;
-            q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes), q->half + at);
-            q->scale[at] = d;
-            q->scaled_sum[at] = d * (float)q->sum[at];
-        }
+    const float *xb = x + (size_t)r * K + (size_t)b * 32;
+    const float top = v16_top(v16_max(v16_abs(v16_load(xb)), v16_abs(v16_load(xb + 16))));
+    const float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
+    const size_t at = (size_t)b * q->M + r;
+    q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes), q->half + at);
+    q->scale[at] = d;
+    q->scaled_sum[at] = d * (float)q->sum[at];
 }
 
 /* Bit 8i + j of each lane of `bits` moved to bit 8i + to, the lane's other bits cleared. */
@@ -734,11 +743,11 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
                     }
                 }
 #else
-                const vi even = vi_and16(u, 0x00FF), odd = vi_shr16(u, 8); /* bytes 0, 2 and 1, 3 */
+                const vi low = vi_bytes16(u, 0), high = vi_bytes16(u, 1); /* codes 4j, 4j + 1 and 4j + 2, 4j + 3 as 16-bit pairs */
                 UNROLL for (int r = 0; r < ROWS8; r++) {
                     if (r < rows) {
-                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
-                        part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(even, vi_set1(a[2 * j]))), vi_madd16(odd, vi_set1(a[2 * j + 1])));
+                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes)); /* 16-bit pairs */
+                        part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(low, vi_set1(a[2 * j]))), vi_madd16(high, vi_set1(a[2 * j + 1])));
                     }
                 }
 #endif
@@ -765,20 +774,25 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
 
 #define INT_CHUNK(CODES, MINS, WIDE, HALVES, PLANES, ROWS)                                         \
     {                                                                                              \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
+        _Pragma("omp for schedule(static)")                                                        \
         for (int g = 0; g < groups; g++) int_tile(CODES, MINS, WIDE, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
+/* One parallel region: the rows' blocks quantised (split over the threads), then each chunk of
+   ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
 #define INT_PRODUCT(CODES, MINS, WIDE, HALVES, PLANES)                                             \
     {                                                                                              \
-        const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
-        const size_t n = (size_t)M * nb;                                                          \
-        agentspec_q8_rows q = {malloc(n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
+        const int nb = K / 32, groups = (N + LANES - 1) / LANES, n = M * nb;                      \
+        agentspec_q8_rows q = {malloc((size_t)n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
                                malloc(sizeof(int32_t) * n), M};                                    \
-        quantise_rows(x, M, K, PLANES, &q);                                                        \
-        for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                    \
-            const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
-            BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, HALVES, PLANES)                         \
+        _Pragma("omp parallel num_threads(threads)")                                               \
+        {                                                                                          \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, at / nb, at % nb);  \
+            for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                \
+                const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
+                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, HALVES, PLANES)                     \
+            }                                                                                      \
         }                                                                                          \
         free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \
     }
