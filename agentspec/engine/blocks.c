@@ -154,6 +154,9 @@ INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm512_and_si512(a, _mm512_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm512_srli_epi16(a, n); } /* each 16-bit half, logical */
 INLINE vi vi_madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }  /* lane: a.lo16 * b.lo16 + a.hi16 * b.hi16, exact */
+/* a, kept in a register as computed: GCC may not reassociate the sums around it (exact either way,
+   but reassociated, the unrolled sums of 8 rows became trees of spilled registers) */
+INLINE vi vi_keep(vi a) { __asm__("" : "+v"(a)); return a; }
 /* each lane's bytes 0, 1 (upper: 2, 3) as its two 16-bit halves, zero-extended */
 INLINE vi vi_bytes16(vi a, int upper) { return _mm512_shuffle_epi8(a, _mm512_broadcast_i32x4(byte_pairs(upper))); }
 #if AGENTSPEC_VNNI
@@ -277,6 +280,7 @@ INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vi vi_and16(vi a, int16_t mask) { return _mm256_and_si256(a, _mm256_set1_epi16(mask)); }
 INLINE vi vi_shr16(vi a, int n) { return _mm256_srli_epi16(a, n); }
 INLINE vi vi_madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
+INLINE vi vi_keep(vi a) { __asm__("" : "+x"(a)); return a; }
 INLINE vi vi_bytes16(vi a, int upper) { return _mm256_shuffle_epi8(a, _mm256_broadcastsi128_si256(byte_pairs(upper))); }
 #if AGENTSPEC_VNNI
 #if defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
@@ -723,12 +727,7 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
         UNROLL for (int h = 0; h < spans; h++) {
             vi part[ROWS8][2];
             UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
-#if AGENTSPEC_VNNI
-            UNROLL
-#else
-            _Pragma("GCC unroll 1") /* unrolled, GCC reassociates the exact sums into trees of spilled registers */
-#endif
-            for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
+            UNROLL for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
                 const vi u = codes_of(codes, at, fifth, sixth, j);
 #if AGENTSPEC_VNNI
                 UNROLL for (int r = 0; r < ROWS8; r++) {
@@ -747,7 +746,8 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
                 UNROLL for (int r = 0; r < ROWS8; r++) {
                     if (r < rows) {
                         const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes)); /* 16-bit pairs */
-                        part[r][0] = vi_add(vi_add(part[r][0], vi_madd16(low, vi_set1(a[2 * j]))), vi_madd16(high, vi_set1(a[2 * j + 1])));
+                        part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(low, vi_set1(a[2 * j]))));
+                        part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(high, vi_set1(a[2 * j + 1]))));
                     }
                 }
 #endif
