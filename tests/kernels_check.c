@@ -74,8 +74,9 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 
 /* The blocks checked: the kernels' four block types, and the GGUF types whose codes or scales the
    integer products read in layouts of their own (Q4_1-wide: Q4_K's scales and minimums, no float16
-   values; Q4_0 and Q5_0: Q8_0's blocks with 4- and 5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes;
-   Q6_K: Q8_16's with 6-bit codes and wide scales) */
+   values but 8-bit factors of a float16 one per super-block; Q4_0 and Q5_0: Q8_0's blocks with 4- and
+   5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes; Q6_K: Q8_16's with 6-bit codes and factored
+   scales) */
 enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_1_WIDE, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, KINDS };
 static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_1-wide", "Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"};
 static const int base[KINDS] = {Q4_1, Q8_0, Q8_16, Q8_1, Q4_1, Q8_0, Q8_0, Q8_1, Q8_1, Q8_16}; /* the block type its codes are stored as */
@@ -84,23 +85,37 @@ typedef struct {
     int kind, N, K;
     uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them (Q8_0, Q8_16: signed) */
     float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the wide kinds */
+    int8_t *f;      /* wide kinds: [N, K / 32, scales per block + minimum] the factors of d (and m) */
+    float *s;       /* wide kinds: [N, super-blocks, 2] the float16 values they multiply (d's, m's) */
 } blocks;
 
 static int has_mins(int kind) { return base[kind] == Q4_1 || base[kind] == Q8_1; }
 static int is_wide(int kind) { return kind == Q4_1_WIDE || kind == Q5_K || kind == Q6_K; }
 static int halves(int kind) { return base[kind] == Q8_16; } /* a scale per 16 weights */
+#define SUPER 8 /* blocks per super-block */
 
 static blocks make_blocks(int kind, int N, int K) {
-    const int nb = K / 32, bytes = base[kind] == Q4_1 ? 16 : 32;
-    const float widen = is_wide(kind) ? 1.0009765625f : 1.0f; /* 1 + 2^-10: products with 1..1000 need more than float16's 11 bits */
-    blocks b = {kind, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb)};
+    const int nb = K / 32, bytes = base[kind] == Q4_1 ? 16 : 32, supers = (nb + SUPER - 1) / SUPER, spans = halves(kind) ? 2 : 1, per = spans + has_mins(kind);
+    blocks b = {kind, N, K, malloc((size_t)N * nb * bytes), malloc(sizeof(float) * N * nb * 2), malloc(sizeof(float) * N * nb),
+                malloc((size_t)N * nb * per), malloc(sizeof(float) * N * supers * 2)};
     for (size_t i = 0; i < (size_t)N * nb * bytes; i++) {
         const uint32_t r = next();
         b.codes[i] = kind == Q4_0 ? (uint8_t)(int8_t)((int)(r % 16) - 8) : kind == Q5_0 ? (uint8_t)(int8_t)((int)(r % 32) - 16)
                    : kind == Q6_K ? (uint8_t)(int8_t)((int)(r % 64) - 32) : kind == Q5_1 || kind == Q5_K ? (uint8_t)(r % 32) : (uint8_t)r;
     }
-    for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f * widen;
-    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = has_mins(kind) ? -(float)(next() % 1000) / 8192.0f * widen : 0.0f;
+    for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
+    for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = has_mins(kind) ? -(float)(next() % 1000) / 8192.0f : 0.0f;
+    if (is_wide(kind)) { /* products of a float16 value and an 8-bit factor (Q6_K's signed, the others' 6-bit), as the K-quants': no float16 values */
+        for (size_t i = 0; i < (size_t)N * supers; i++) b.s[2 * i] = (float)(1 + next() % 1000) / 65536.0f, b.s[2 * i + 1] = -(float)(next() % 1000) / 8192.0f;
+        for (size_t i = 0; i < (size_t)N * nb * per; i++) b.f[i] = kind == Q6_K ? (int8_t)(next() % 256) : (int8_t)(next() % 64);
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < nb; k++) {
+                const size_t at = (size_t)n * nb + k;
+                const float *s = b.s + ((size_t)n * supers + k / SUPER) * 2;
+                for (int h = 0; h < spans; h++) b.d[at * spans + h] = s[0] * (float)b.f[at * per + h];
+                if (has_mins(kind)) b.m[at] = s[1] * (float)b.f[at * per + spans];
+            }
+    }
     return b;
 }
 
@@ -143,15 +158,18 @@ static int layout_number(int kind, int planes) {
 /* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
    codes 4j..4j+3 as bytes, plus 128; or 4-bit codes as the file packs them, then registers of fifth
    and sixth bits, bit 8i + j code 4j + i's), then the scales (each half's with halves) and minimums
-   as float16 (wide: float32) */
+   as float16; wide, as their signed 8-bit factors, and before each super-block of SUPER blocks the
+   float16 values they multiply (d's, then m's) */
 static uint8_t *by_lanes(const blocks *b, int L) {
-    const int codes = codes_of(b->kind), mins = has_mins(b->kind), size = is_wide(b->kind) ? 4 : 2, spans = halves(b->kind) ? 2 : 1;
+    const int codes = codes_of(b->kind), mins = has_mins(b->kind), wide = is_wide(b->kind), size = wide ? 1 : 2, spans = halves(b->kind) ? 2 : 1;
     const int nb = b->K / 32, bytes = codes == 0 ? 32 : 12 + 4 * codes, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (spans + mins);
-    const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes;
-    uint8_t *out = calloc((size_t)groups * nb * per, 1);
+    const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes, head = wide ? L * 2 * (1 + mins) : 0, supers = (nb + SUPER - 1) / SUPER;
+    const size_t group = (size_t)(wide ? supers : 0) * head + (size_t)nb * per; /* a group's bytes */
+    uint8_t *out = calloc((size_t)groups * group, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
-            uint8_t *at = out + ((size_t)(n / L) * nb + k) * per, stored[32];
+            uint8_t *first = out + (size_t)(n / L) * group + (size_t)(k / SUPER) * (head + SUPER * per); /* its super-block's */
+            uint8_t *at = wide ? first + head + (size_t)(k % SUPER) * per : out + ((size_t)(n / L) * nb + k) * per, stored[32];
             const size_t src = (size_t)n * nb + k;
             int q[32];
             for (int i = 0; i < 32; i++) q[i] = code(b, n, k * 32 + i) + offset;
@@ -166,9 +184,12 @@ static uint8_t *by_lanes(const blocks *b, int L) {
                 }
             }
             for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = stored[i];
-            if (size == 4) {
-                for (int h = 0; h < spans; h++) memcpy(at + L * bytes + h * L * 4 + (n % L) * 4, b->d + src * spans + h, 4);
-                if (mins) memcpy(at + L * bytes + L * 4 + (n % L) * 4, b->m + src, 4);
+            if (wide) {
+                for (int h = 0; h < spans + mins; h++) at[L * bytes + h * L + n % L] = (uint8_t)b->f[src * (spans + mins) + h];
+                const float *s = b->s + ((size_t)n * supers + k / SUPER) * 2;
+                const uint16_t d = half_bits(s[0]), m = half_bits(s[1]);
+                memcpy(first + (n % L) * 2, &d, 2);
+                if (mins) memcpy(first + L * 2 + (n % L) * 2, &m, 2);
                 continue;
             }
             const uint16_t d = half_bits(b->d[src]), m = half_bits(b->m[src]);
@@ -240,7 +261,7 @@ static double reference(const blocks *b, int activations, const float *x, int n)
 }
 
 static uint64_t check_product(int kind, int activations) {
-    const int M = 16, K = 256, N = 37; /* 37 outputs: a last group of every width partly empty */
+    const int M = 16, K = 320, N = 37; /* 37 outputs: a last group of every width partly empty; 10 blocks: a last super-block of 2 */
     blocks b = make_blocks(kind, N, K);
     product p = make_product(&b, activations);
     float *x = malloc(sizeof(float) * M * K), *all = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
@@ -264,7 +285,7 @@ static uint64_t check_product(int kind, int activations) {
         }
     CHECK(worst < 1e-5, "%s x %d-bit rows: %.3g from the reference", name, 8 * activations, worst);
     const uint64_t h = hash_bytes(0xCBF29CE484222325u, all, sizeof(float) * M * N);
-    free(x), free(all), free(part), free(p.few), free(p.many), free(b.codes), free(b.d), free(b.m);
+    free(x), free(all), free(part), free(p.few), free(p.many), free(b.codes), free(b.d), free(b.m), free(b.f), free(b.s);
     return h;
 }
 
@@ -330,7 +351,7 @@ static uint64_t check_layers(int activations, int kv_half) {
     h = hash_bytes(h, more, sizeof(more));
     h = hash_bytes(h, kv_a, kv_bytes);
     for (int l = 0; l < LAYERS; l++)
-        for (int i = 0; i < 4; i++) free(products[l][i].few), free(products[l][i].many), free(weights[l][i].codes), free(weights[l][i].d), free(weights[l][i].m);
+        for (int i = 0; i < 4; i++) free(products[l][i].few), free(products[l][i].many), free(weights[l][i].codes), free(weights[l][i].d), free(weights[l][i].m), free(weights[l][i].f), free(weights[l][i].s);
     free(kv_a), free(kv_b), free(kv_alone);
     return h;
 }

@@ -22,7 +22,7 @@ import torch
 from agentspec.engine import Engine
 from agentspec.engine.blocks import (
     ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockPass, Blocks, GGUFBlocks, block_kernels, block_product,
-    GGUF_TYPES, INTEGER_OFFSETS, IntegerLayout, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
+    GGUF_TYPES, INTEGER_OFFSETS, SUPER, IntegerLayout, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
 )
 from agentspec.engine.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
@@ -46,7 +46,8 @@ def gguf_blocks(loaded):
 
 # Random blocks of each kind the kernels read (BLOCK_TYPES), and of each integer layout the GGUF
 # types give them (Blocks.integer_layout): (block type, the codes' range or None for any byte, scales
-# that are no float16 values), and the layout the integer products read them in
+# that are no float16 values but the K-quants' factors of one), and the layout the integer products
+# read them in
 SAMPLES = {
     "Q4_1": ("Q4_1", None, False, IntegerLayout("4-bit", True, False)),
     "Q8_0": ("Q8_0", None, False, IntegerLayout("bytes", False, False)),
@@ -73,9 +74,20 @@ def _random_blocks(sample: str, outputs: int, inputs: int, seed: int) -> Blocks:
         mins = (-torch.rand(outputs, blocks, generator=generator) * 0.1).half().float()
     else:
         mins = torch.zeros(outputs, blocks)
-    if wide:  # products of a float16 scale and a 6- or 8-bit one, as the K-quants': more than float16's 11 bits
-        scales, mins = scales * (1 + 2**-10), mins * (1 + 2**-10)
-    return Blocks(kind, codes, scales, mins)
+    if not wide:
+        return Blocks(kind, codes, scales, mins)
+    # as the K-quants': per super-block a float16 scale (and minimum), per block 8-bit factors of them
+    # (Q6_K's signed, one per 16 weights; the others' 6-bit), their products no float16 values
+    per = 2 if kind == "Q8_16" else 1
+    supers = torch.stack([torch.rand(outputs, -(-blocks // SUPER), generator=generator) * 1e-3, -torch.rand(outputs, -(-blocks // SUPER), generator=generator) * 0.01], -1)
+    supers = supers[..., : 1 if kind == "Q8_16" else 2].half().float()
+    low = -128 if kind == "Q8_16" else 0
+    factors = torch.randint(low, low + (256 if kind == "Q8_16" else 64), (outputs, blocks, per + (kind != "Q8_16")), generator=generator, dtype=torch.int8)
+    expanded = supers.repeat_interleave(SUPER, dim=1)[:, :blocks]  # [outputs, blocks, 1 or 2]
+    scales = (expanded[..., :1] * factors[..., :per].float()).reshape(outputs, -1)
+    if kind != "Q8_16":
+        mins = expanded[..., 1] * factors[..., per].float()
+    return Blocks(kind, codes, scales, mins, factors, supers)
 
 
 # The largest code of a row's block, and the largest relative error the rounded rows may make in the
@@ -145,21 +157,25 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     assert product(x[:0]).shape == (0, outputs)
 
 
-# Bytes per 32 weights in the file, per GGUF type the samples stand for (GGUF_TYPES); the K-quants
-# keep each block's scales (and minimums) as float32 where the file has 6 or 8 bits of each
-FILE_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_1": 20, "Q5_1": 24, "Q4_K": 24, "Q5_K": 28, "Q6_K": 32}
+# Bytes per 256 weights of an output, per GGUF type the samples stand for: the file's (GGUF_TYPES),
+# but for Q4_K's and Q5_K's scales and minimums, a byte each where the file packs them in 6 bits
+LANES_BYTES = {"Q4_0": 144, "Q5_0": 176, "Q8_0": 272, "Q4_1": 160, "Q5_1": 192, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 
 
 @pytest.mark.parametrize("kind", [k for k, sample in SAMPLES.items() if sample[-1] is not None])
 def test_the_integer_products_read_each_type_in_its_own_bits(kind):
     """Q4_0's and Q5_0's codes (read as Q8_0's signed bytes) go back to 4 and 5 bits, Q5_1's and
     Q5_K's (read as Q8_1's unsigned bytes) to 5, Q6_K's (Q8_16's) to 6, so a block takes the file's
-    bytes again (the K-quants' float32 scales aside); Q8_0 blocks with one code outside 5 bits are read
-    as bytes, Q8_16 blocks with one outside 6 bits are refused."""
+    bytes again (the K-quants' 6-bit factors in bytes aside); Q8_0 blocks with one code outside 5 bits
+    are read as bytes, Q8_16 blocks with one outside 6 bits are refused, and so are blocks whose scales
+    are no float16 values without a K-quant's factors."""
     blocks = _random_blocks(kind, 40, 256, seed=3)
     assert blocks.integer_layout() == SAMPLES[kind][-1]
     for lanes in (4, 8, 16):  # NEON, AVX2, AVX-512
-        assert blocks.by_lanes(lanes).numel() == -(-40 // lanes) * lanes * 8 * FILE_BYTES[kind]
+        assert blocks.by_lanes(lanes).numel() == -(-40 // lanes) * lanes * LANES_BYTES[kind]
+    if blocks.factors is not None:
+        unfactored = Blocks(blocks.kind, blocks.codes, blocks.scales, blocks.mins)
+        assert "neither" in unfactored.integer_unsupported()
     if blocks.kind == "Q8_0" and kind != "Q8_0":
         codes = blocks.codes.clone()
         codes[7, 3, 9] = INTEGER_OFFSETS["5-bit"]  # one code too many for 5 bits

@@ -150,7 +150,8 @@ def test_a_file_of_k_quants_runs_on_the_compiled_block_pass_with_its_logits(mixe
     compiled call), and the pass gives the loaded model's logits: float32 rows to float32 rounding;
     16-bit rows within their tolerance, each type's blocks in its own bits (Q4_0's and Q5_0's codes
     back in 4 and 5 bits, Q5_1's and Q5_K's in 5, Q6_K's in 6 with a scale per 16; the K-quants'
-    scales as float32, "wide": a super-block's scale times a 6- or 8-bit one is no float16 value)."""
+    scales "factored" as the file keeps them, a super-block's float16 scale and 6- or 8-bit factors:
+    their products are no float16 values)."""
     import gguf
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(mixed.gguf_file)).tensors}

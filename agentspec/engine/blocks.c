@@ -141,7 +141,7 @@ INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vf_from_vi(vi a) { return _mm512_cvtepi32_ps(a); }
 INLINE vf vf_load_half(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-INLINE vf vf_load(const void *p) { return _mm512_loadu_ps((const float *)p); }
+INLINE vf vf_from_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); } /* LANES signed bytes */
 INLINE void vf_store_first(float *p, vf a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
 INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 INLINE vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
@@ -267,7 +267,7 @@ INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vf_from_vi(vi a) { return _mm256_cvtepi32_ps(a); }
 INLINE vf vf_load_half(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-INLINE vf vf_load(const void *p) { return _mm256_loadu_ps((const float *)p); }
+INLINE vf vf_from_i8(const void *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 INLINE void vf_store_first(float *p, vf a, int n) { _mm256_maskstore_ps(p, below(n, 0), a); }
 INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
 INLINE vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -390,7 +390,11 @@ INLINE vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
 INLINE vf vf_fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 INLINE vf vf_from_vi(vi a) { return vcvtq_f32_s32(a); }
 INLINE vf vf_load_half(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
-INLINE vf vf_load(const void *p) { return vld1q_f32((const float *)p); }
+INLINE vf vf_from_i8(const void *p) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(word))))));
+}
 INLINE void vf_store_first(float *p, vf a, int n) {
     float lanes[4];
     vst1q_f32(lanes, a);
@@ -608,9 +612,12 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
      8i + j is that of code 4j + i, so a shift puts codes 4j..4j+3's on bit 4 of their bytes); Q5_0's
      codes offset by 16;
    - 6-bit: the 5-bit registers, then one of the sixth bits, arranged as the fifth; Q6_K's offset by 32;
-   then the LANES scales (and minimums) as float16 (exactly the file's) or, "wide", as float32 (Q4_K's,
-   Q5_K's and Q6_K's: a super-block's float16 scale times a 6- or 8-bit one is no float16 value); with
-   a scale per 16 weights ("halves", Q6_K's), the LANES scales of each half block in turn.
+   then the LANES scales (and minimums) as float16, exactly the file's; with a scale per 16 weights
+   ("halves", Q6_K's), the LANES scales of each half block in turn. "Factored" scales (the K-quants':
+   a super-block's float16 scale times a 6- or 8-bit one, no float16 value) are kept as the file keeps
+   them: each block's LANES factors as signed bytes (scales, each half's, then minimums), and before
+   every super-block of 8 blocks the LANES float16 super-scales (d, then the minimums' -dmin). A
+   scale is their product in float32, exact (11 bits times 8), so the file's value.
 
    Each (row, output) pair is one lane taking the same integer dot products and float multiply-adds
    in the same order (no horizontal sum), whatever else shares the call and whichever thread and level
@@ -619,8 +626,11 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
 
 enum { CODES_BYTES = 0, CODES_4BIT = 1, CODES_5BIT = 2, CODES_6BIT = 3 };
 #define CODE_BYTES(codes) ((codes) == CODES_BYTES ? 32 : (codes) == CODES_4BIT ? 16 : (codes) == CODES_5BIT ? 20 : 24) /* a block's, per output */
-/* a group's block: its codes, then its scales (two with halves) and minimums, float16 or float32 ("wide") */
-#define INT_BYTES(codes, mins, wide, halves) (LANES * CODE_BYTES(codes) + LANES * (1 + (mins) + (halves)) * ((wide) ? 4 : 2))
+/* a group's block: its codes, then its scales (two with halves) and minimums, float16 or ("factored")
+   signed bytes; and the float16 super-scales before each super-block of factored blocks */
+#define INT_BYTES(codes, mins, factored, halves) (LANES * CODE_BYTES(codes) + LANES * (1 + (mins) + (halves)) * ((factored) ? 1 : 2))
+#define SUPER 8 /* blocks of a super-block */
+#define SUPER_BYTES(mins) (LANES * 2 * (1 + (mins)))
 /* what the codes are offset by (subtracted from their dot product) in blocks without minimums */
 #define OFFSET(codes) ((codes) == CODES_BYTES ? (SIGNED_DOT ? 0 : 128) : 8 << ((codes) - CODES_4BIT))
 #define REGISTER (LANES * 4)                                                       /* bytes of codes per register */
@@ -707,19 +717,21 @@ INLINE vi codes_of(const int codes, const uint8_t *at, vi fifth, vi sixth, int j
 }
 
 /* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes, blocks
-   of `codes` with or without minimums, `wide` scales, a scale per block or per half ("halves": the
+   of `codes` with or without minimums, `factored` scales, a scale per block or per half ("halves": the
    dot products of registers 0..3 and 4..7 scaled apart), all compile-time constants at every call
    site. A dot product of a row, in 32-bit integers (|sum| < 2^29, so exact whatever the order): with
    VNNI two chains of vpdpbusd (one per plane, or halves of the registers) to hide its latency; with
    vpmaddwd one chain of additions (1 cycle each), so 8 rows' sums stay in 16 ymm registers. */
-INLINE void int_tile(const int codes, const int mins, const int wide, const int halves, const int planes, const agentspec_q8_rows *q, const int rows,
+INLINE void int_tile(const int codes, const int mins, const int factored, const int halves, const int planes, const agentspec_q8_rows *q, const int rows,
                      int K, const uint8_t *w, float *y, int N, int g) {
-    const int nb = K / 32, bytes = INT_BYTES(codes, mins, wide, halves), scales = LANES * CODE_BYTES(codes), size = wide ? 4 : 2;
+    const int nb = K / 32, bytes = INT_BYTES(codes, mins, factored, halves), scales = LANES * CODE_BYTES(codes), size = factored ? 1 : 2;
     const int offset = mins ? 0 : OFFSET(codes), spans = halves ? 2 : 1, span = 8 / spans; /* registers per scale */
+    const int per = factored ? SUPER : 1, head = factored ? SUPER_BYTES(mins) : 0; /* blocks per super-block, its super-scales' bytes */
+    const size_t chunk = (size_t)head + (size_t)per * bytes, group = (size_t)(nb + per - 1) / per * head + (size_t)nb * bytes; /* a super-block's, a group's bytes */
     vf acc[ROWS8];
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *at = w + ((size_t)g * nb + b) * bytes;
+        const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = supers + head + (size_t)(b % per) * bytes;
         for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
         const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
@@ -752,9 +764,9 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
                 }
 #endif
             }
-            const uint8_t *scale = at + scales + h * LANES * size;
-            const vf d = wide ? vf_load(scale) : vf_load_half(scale);
-            const vf m = !mins ? vf_zero() : wide ? vf_load(scale + LANES * size) : vf_load_half(scale + LANES * size);
+            const uint8_t *scale = at + scales + h * LANES * size, *minimum = at + scales + spans * LANES * size;
+            const vf d = factored ? vf_mul(vf_load_half(supers), vf_from_i8(scale)) : vf_load_half(scale);
+            const vf m = !mins ? vf_zero() : factored ? vf_mul(vf_load_half(supers + LANES * 2), vf_from_i8(minimum)) : vf_load_half(minimum);
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
                     const size_t rb = rows_at + r;
@@ -772,15 +784,15 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(CODES, MINS, WIDE, HALVES, PLANES, ROWS)                                         \
+#define INT_CHUNK(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                         \
     {                                                                                              \
         _Pragma("omp for schedule(static)")                                                        \
-        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, WIDE, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
     }
 
 /* One parallel region: the rows' blocks quantised (split over the threads), then each chunk of
    ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
-#define INT_PRODUCT(CODES, MINS, WIDE, HALVES, PLANES)                                             \
+#define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                             \
     {                                                                                              \
         const int nb = K / 32, groups = (N + LANES - 1) / LANES, n = M * nb;                      \
         agentspec_q8_rows q = {malloc((size_t)n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
@@ -791,18 +803,18 @@ INLINE void int_tile(const int codes, const int mins, const int wide, const int 
             for (int at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, at / nb, at % nb);  \
             for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                \
                 const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
-                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, WIDE, HALVES, PLANES)                     \
+                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                     \
             }                                                                                      \
         }                                                                                          \
         free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \
     }
 
-/* An integer layout's number (blocks.py: IntegerLayout.number): its codes, minimums (0, 1), wide
+/* An integer layout's number (blocks.py: IntegerLayout.number): its codes, minimums (0, 1), factored
    scales (0, 1), scales per half block (0, 1) and activation planes (1: "q8", 2: "q16"). */
-#define INT_LAYOUT(CODES, MINS, WIDE, HALVES, PLANES) (((((CODES) * 2 + (MINS)) * 2 + (WIDE)) * 2 + (HALVES)) * 2 + (PLANES) - 1)
-#define INT_CASE(CODES, MINS, WIDE, HALVES)                                                        \
-    case INT_LAYOUT(CODES, MINS, WIDE, HALVES, 1): INT_PRODUCT(CODES, MINS, WIDE, HALVES, 1) break; \
-    case INT_LAYOUT(CODES, MINS, WIDE, HALVES, 2): INT_PRODUCT(CODES, MINS, WIDE, HALVES, 2) break;
+#define INT_LAYOUT(CODES, MINS, FACTORED, HALVES, PLANES) (((((CODES) * 2 + (MINS)) * 2 + (FACTORED)) * 2 + (HALVES)) * 2 + (PLANES) - 1)
+#define INT_CASE(CODES, MINS, FACTORED, HALVES)                                                    \
+    case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 1): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 1) break; \
+    case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 2): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 2) break;
 
 /* x @ W.T on integer rows; w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. The
    layouts a GGUF file's blocks take (the others abort: blocks.py never passes them). */

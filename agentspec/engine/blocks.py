@@ -96,6 +96,7 @@ _SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product", 
 INTEGER_CODES = ("bytes", "4-bit", "5-bit", "6-bit")
 INTEGER_OFFSETS = {"bytes": 128, "4-bit": 8, "5-bit": 16, "6-bit": 32}
 INTEGER_KIND = 4  # blocks.c: agentspec_blocks.kind of the blocks of integer rows, plus their layout's number
+SUPER = 8  # blocks of a K-quant super-block (256 weights): their scales share a float16 one (blocks.c: SUPER)
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,14 @@ class IntegerLayout:
 
     codes: str  # one of INTEGER_CODES
     mins: bool  # a minimum per block (else the codes are offset: INTEGER_OFFSETS)
-    wide: bool  # scales (and minimums) as float32: they are no float16 values (the K-quants')
+    # scales (and minimums) as the K-quants keep them: 8-bit factors of a float16 scale per super-block
+    # (Blocks.factors, Blocks.supers), no float16 values themselves; else as float16
+    factored: bool
     halves: bool = False  # a scale per 16 weights (Q6_K's)
 
     def number(self, activations: str) -> int:
         """blocks.c's INT_LAYOUT of these blocks times ``activations`` ("q8" or "q16")."""
-        number = ((INTEGER_CODES.index(self.codes) * 2 + self.mins) * 2 + self.wide) * 2 + self.halves
+        number = ((INTEGER_CODES.index(self.codes) * 2 + self.mins) * 2 + self.factored) * 2 + self.halves
         return number * 2 + INTEGER_ACTIVATIONS.index(activations)
 
 
@@ -334,6 +337,12 @@ class Blocks:
     codes: torch.Tensor  # Q4_1: uint8 [outputs, inputs / 32, 16]; Q8_0, Q8_16: int8, Q8_1: uint8 [outputs, inputs / 32, 32]
     scales: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_16: [outputs, inputs / 16])
     mins: torch.Tensor  # float32 [outputs, inputs / 32] (Q8_0, Q8_16: zeros, unused)
+    # The K-quants' scales and minimums as their file keeps them (tensor_blocks; None for the other
+    # types): per block its 8-bit factors — of its scale (Q8_16: of each half's), then of its minimum —
+    # and per super-block of SUPER blocks the float16 values they multiply — d, then -dmin: scales ==
+    # supers * factors and mins == supers * factors, exactly (11 bits times 8 fit float32's 24).
+    factors: torch.Tensor | None = None  # int8 [outputs, inputs / 32, scales per block + has_mins]
+    supers: torch.Tensor | None = None  # float32 [outputs, ceil(inputs / 32 / SUPER), 1 + has_mins]
 
     @property
     def has_mins(self) -> bool:
@@ -371,26 +380,31 @@ class Blocks:
     def integer_layout(self) -> IntegerLayout | str:
         """How the integer products read these blocks (``by_lanes``), or why they cannot: in as few
         bits as their codes take (Q4_0's and Q5_0's, read as Q8_0, back to 4 and 5 bits; Q5_1's and
-        Q5_K's, read as Q8_1, to 5; Q6_K's, read as Q8_16, to 6), with float32 scales where they are
-        no float16 values. Found once per matrix (it reads every code and scale)."""
+        Q5_K's, read as Q8_1, to 5; Q6_K's, read as Q8_16, to 6), with scales as float16 or, where they
+        are no float16 values, as the K-quants' factors. Found once per matrix (it reads every code
+        and scale)."""
         return self._integer_layout
 
     @functools.cached_property
     def _integer_layout(self) -> IntegerLayout | str:
         values = (self.scales, self.mins) if self.has_mins else (self.scales,)
-        wide = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
-        if self.kind == "Q4_1":
-            return IntegerLayout("4-bit", True, wide)
+        factored = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
         low, high = (int(v) for v in torch.aminmax(self.codes)) if self.codes.numel() else (0, 0)
-        if self.kind == "Q8_16":  # Q6_K's: a scale per 16 weights, products of the super-block's (wide)
+        if self.kind == "Q8_16":  # Q6_K's: a scale per 16 weights, 8-bit factors of the super-block's
             if low < -32 or high > 31:
                 return f"the integer products take blocks with a scale per 16 weights in codes of up to 6 bits, and these span {low}..{high}"
+            factored = True
+        elif self.kind == "Q8_1" and high > 31:
+            return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
+        if factored and self.factors is None:
+            return "the integer products take scales that are float16 values or a K-quant's 8-bit factors of one, and these are neither"
+        if self.kind == "Q4_1":
+            return IntegerLayout("4-bit", True, factored)
+        if self.kind == "Q8_16":
             return IntegerLayout("6-bit", False, True, True)
         if self.kind == "Q8_1":
-            if high > 31:
-                return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
-            return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, wide)
-        if wide:
+            return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, factored)
+        if factored:
             return "the integer products keep the scales of blocks without minimums as float16, and these are not float16 values"
         fits = [codes for codes in ("4-bit", "5-bit") if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
         return IntegerLayout(fits[0] if fits else "bytes", False, False)
@@ -400,8 +414,10 @@ class Blocks:
         outputs to a register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of
         ``lanes`` (the last padded with zeros); per group, its blocks in input order, each its codes as
         registers of ``lanes`` 4-byte lanes, then the ``lanes`` scales (and minimums) as float16 — the
-        file's own values — or, wide, as float32 (halves: the ``lanes`` scales of each half block in
-        turn): ``[groups, inputs / 32, bytes per block]``. Register j, lane o: output o's codes
+        file's own values — (halves: the ``lanes`` scales of each half block in turn): ``[groups,
+        inputs / 32, bytes per block]``; factored, each block's ``lanes`` factors (scales, minimums)
+        as signed bytes, and before each super-block of SUPER blocks the ``lanes`` float16 values
+        they multiply (d, then -dmin): ``[groups, bytes per group]``. Register j, lane o: output o's codes
         4j..4j+3 as bytes (plus 128); or, 4-, 5- and 6-bit codes, the bytes holding codes 4j..4j+3 in
         their low nibbles and 16+4j.. in their high ones (registers 0..3), then the fifth bits
         (register 4: bit 8i + j is code 4j + i's) and the sixth (register 5, arranged the same)."""
@@ -427,12 +443,21 @@ class Blocks:
         stored = torch.cat([stored, stored.new_zeros(pad, *stored.shape[1:])])
         registers = stored.shape[-1] // 4  # 8 (bytes), 4 (4-bit), 5 (5-bit) or 6 (6-bit)
         parts = [stored.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)]
-        dtype = torch.float32 if layout.wide else torch.float16
-        for values in (self.scales, self.mins) if layout.mins else (self.scales,):
-            values = values.reshape(outputs, blocks, -1).to(dtype)  # [outputs, blocks, 1 or 2 (halves)]
-            scale = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
-            parts.append(scale.view(groups, lanes, blocks, -1).permute(0, 2, 3, 1).contiguous().view(groups, blocks, -1).view(torch.uint8))
-        return torch.cat(parts, dim=-1).contiguous()
+
+        def by_group(values: torch.Tensor) -> torch.Tensor:  # [outputs, n, k] -> bytes [groups, n, k lanes' values in turn]
+            values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
+            return values.view(groups, lanes, values.shape[1], -1).permute(0, 2, 3, 1).contiguous().view(groups, values.shape[1], -1).view(torch.uint8)
+
+        if not layout.factored:
+            for values in (self.scales, self.mins) if layout.mins else (self.scales,):
+                parts.append(by_group(values.reshape(outputs, blocks, -1).to(torch.float16)))  # [outputs, blocks, 1 or 2 (halves)]
+            return torch.cat(parts, dim=-1).contiguous()
+        assert self.factors is not None and self.supers is not None  # integer_layout: factored only with them
+        per_block = torch.cat([*parts, by_group(self.factors)], dim=-1)  # [groups, blocks, bytes per block]
+        supers = by_group(self.supers.to(torch.float16))  # [groups, super-blocks, bytes]
+        count, size = supers.shape[1], per_block.shape[-1]
+        per_block = torch.cat([per_block, per_block.new_zeros(groups, count * SUPER - blocks, size)], dim=1).view(groups, count, -1)
+        return torch.cat([supers, per_block], dim=-1).view(groups, -1)[:, : count * supers.shape[-1] + blocks * size].contiguous()
 
     def integer_unsupported(self) -> str | None:
         """Why the integer products cannot take these blocks (``by_lanes``), or None when they can."""
@@ -440,11 +465,13 @@ class Blocks:
         return layout if isinstance(layout, str) else None
 
     def rows(self, order: torch.Tensor) -> "Blocks":
-        return Blocks(self.kind, self.codes[order].contiguous(), self.scales[order].contiguous(), self.mins[order].contiguous())
+        return Blocks(self.kind, *(None if t is None else t[order].contiguous() for t in (self.codes, self.scales, self.mins, self.factors, self.supers)))
 
     @staticmethod
     def stack(parts: Sequence["Blocks"]) -> "Blocks":
-        return Blocks(parts[0].kind, *(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales", "mins")))
+        """The outputs of ``parts`` (one kind) in turn; factored where every part is."""
+        fields = ("codes", "scales", "mins") + (("factors", "supers") if all(p.factors is not None for p in parts) else ())
+        return Blocks(parts[0].kind, *(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in fields))
 
 
 def _halves(raw: np.ndarray) -> np.ndarray:
@@ -494,22 +521,25 @@ def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
         sub_scales = np.concatenate([low & 63, (both & 15) | ((low >> 2) & 48)], axis=-1).astype(np.float32)  # [outputs, super-blocks, 8]
         sub_mins = np.concatenate([high & 63, (both >> 4) | ((high >> 2) & 48)], axis=-1).astype(np.float32)
         scales, mins = (d * sub_scales).reshape(outputs, blocks), -(dmin * sub_mins).reshape(outputs, blocks)
+        factors = np.stack([sub_scales, sub_mins], axis=-1).reshape(outputs, blocks, 2).astype(np.int8)
+        supers = np.concatenate([d, -dmin], axis=-1)  # [outputs, super-blocks, 2]
         # 4 runs of 32 bytes: sub-block 2c in the low nibbles of run c, 2c + 1 in the high ones
         runs = nibbles.reshape(outputs, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         codes = (runs & 15).reshape(outputs, blocks, 32)
         if kind == "Q5_K":  # sub-block s's fifth bits: bit s of the 32 bytes
             high = raw[..., 16:48].reshape(outputs, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
             codes = codes | ((high & 1).reshape(outputs, blocks, 32) << 4)
-            return Blocks("Q8_1", *_torch(codes, scales, mins))
+            return Blocks("Q8_1", *_torch(codes, scales, mins, factors, supers))
         codes = codes[..., :16] | (codes[..., 16:] << 4)  # as Q4_1 packs them: byte j holds codes j and j + 16
-        return Blocks("Q4_1", *_torch(codes, scales, mins))
+        return Blocks("Q4_1", *_torch(codes, scales, mins, factors, supers))
     # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit scales (one per 16), d (float16)
     low = raw[..., 0:128].reshape(outputs, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     high = raw[..., 128:192].reshape(outputs, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
     codes = ((low & 15).reshape(outputs, blocks, 32) | ((high & 3).reshape(outputs, blocks, 32) << 4)).astype(np.int8) - np.int8(32)
-    sub_scales = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
-    scales, codes = _torch((_halves(raw[..., 208:210]) * sub_scales).reshape(outputs, blocks * 2), codes)
-    return Blocks("Q8_16", codes, scales, torch.zeros(outputs, blocks))
+    factors = raw[..., 192:208].copy().view(np.int8)  # [outputs, super-blocks, 16]
+    d = _halves(raw[..., 208:210])
+    scales, codes, factors, supers = _torch((d * factors.astype(np.float32)).reshape(outputs, blocks * 2), codes, factors.reshape(outputs, blocks, 2), d)
+    return Blocks("Q8_16", codes, scales, torch.zeros(outputs, blocks), factors, supers)
 
 
 def _read(tensor: Any) -> Blocks | None:
