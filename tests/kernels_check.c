@@ -73,24 +73,24 @@ static uint16_t half_bits(float x) { /* x is a float16 value */
 }
 
 /* The blocks checked: the kernels' four block types, and the GGUF types whose codes or scales the
-   integer products read in layouts of their own (Q4_1-wide: Q4_K's scales and minimums, no float16
-   values but 8-bit factors of a float16 one per super-block; Q4_0 and Q5_0: Q8_0's blocks with 4- and
-   5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes; Q6_K: Q8_16's with 6-bit codes and factored
-   scales) */
-enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_1_WIDE, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, KINDS };
-static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_1-wide", "Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"};
+   integer products read in layouts of their own (Q4_K: Q4_1's blocks with scales and minimums that
+   are no float16 values but 8-bit factors of a float16 one per super-block; Q4_0 and Q5_0: Q8_0's
+   blocks with 4- and 5-bit codes; Q5_1 and Q5_K: Q8_1's with 5-bit codes; Q6_K: Q8_16's with 6-bit
+   codes and factored scales) */
+enum { Q4_1, Q8_0, Q8_16, Q8_1, Q4_K, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, KINDS };
+static const char *names[KINDS] = {"Q4_1", "Q8_0", "Q8_16", "Q8_1", "Q4_K", "Q4_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"};
 static const int base[KINDS] = {Q4_1, Q8_0, Q8_16, Q8_1, Q4_1, Q8_0, Q8_0, Q8_1, Q8_1, Q8_16}; /* the block type its codes are stored as */
 
 typedef struct {
     int kind, N, K;
     uint8_t *codes; /* [N, K / 32, 16 (Q4_1) or 32], as the file stores them (Q8_0, Q8_16: signed) */
-    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the wide kinds */
-    int8_t *f;      /* wide kinds: [N, K / 32, scales per block + minimum] the factors of d (and m) */
-    float *s;       /* wide kinds: [N, super-blocks, 2] the float16 values they multiply (d's, m's) */
+    float *d, *m;   /* [N, K / 32] (Q8_16: d [N, K / 16]), float16 values but for the factored kinds */
+    int8_t *f;      /* factored kinds: [N, K / 32, scales per block + minimum] the factors of d (and m) */
+    float *s;       /* factored kinds: [N, super-blocks, 2] the float16 values they multiply (d's, m's) */
 } blocks;
 
 static int has_mins(int kind) { return base[kind] == Q4_1 || base[kind] == Q8_1; }
-static int is_wide(int kind) { return kind == Q4_1_WIDE || kind == Q5_K || kind == Q6_K; }
+static int is_factored(int kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
 static int halves(int kind) { return base[kind] == Q8_16; } /* a scale per 16 weights */
 #define SUPER 8 /* blocks per super-block */
 
@@ -105,7 +105,7 @@ static blocks make_blocks(int kind, int N, int K) {
     }
     for (size_t i = 0; i < (size_t)N * nb * 2; i++) b.d[i] = (float)(1 + next() % 1000) / 65536.0f;
     for (size_t i = 0; i < (size_t)N * nb; i++) b.m[i] = has_mins(kind) ? -(float)(next() % 1000) / 8192.0f : 0.0f;
-    if (is_wide(kind)) { /* products of a float16 value and an 8-bit factor (Q6_K's signed, the others' 6-bit), as the K-quants': no float16 values */
+    if (is_factored(kind)) { /* products of a float16 value and an 8-bit factor (Q6_K's signed, the others' 6-bit), as the K-quants': no float16 values */
         for (size_t i = 0; i < (size_t)N * supers; i++) b.s[2 * i] = (float)(1 + next() % 1000) / 65536.0f, b.s[2 * i + 1] = -(float)(next() % 1000) / 8192.0f;
         for (size_t i = 0; i < (size_t)N * nb * per; i++) b.f[i] = kind == Q6_K ? (int8_t)(next() % 256) : (int8_t)(next() % 64);
         for (int n = 0; n < N; n++)
@@ -149,27 +149,27 @@ static uint8_t *grouped(const blocks *b, int G) {
 }
 
 /* The integer products' layout of a kind (Blocks.integer_layout): codes 0 (bytes), 1 (4-bit), 2
-   (5-bit) or 3 (6-bit), minimums, wide scales, halves; its number times 1 or 2 planes (blocks.c: INT_LAYOUT) */
-static int codes_of(int kind) { return kind == Q8_0 ? 0 : kind == Q4_1 || kind == Q4_1_WIDE || kind == Q4_0 ? 1 : kind == Q6_K ? 3 : 2; }
+   (5-bit) or 3 (6-bit), minimums, factored scales, halves; its number times 1 or 2 planes (blocks.c: INT_LAYOUT) */
+static int codes_of(int kind) { return kind == Q8_0 ? 0 : kind == Q4_1 || kind == Q4_K || kind == Q4_0 ? 1 : kind == Q6_K ? 3 : 2; }
 static int layout_number(int kind, int planes) {
-    return (((codes_of(kind) * 2 + has_mins(kind)) * 2 + is_wide(kind)) * 2 + halves(kind)) * 2 + planes - 1;
+    return (((codes_of(kind) * 2 + has_mins(kind)) * 2 + is_factored(kind)) * 2 + halves(kind)) * 2 + planes - 1;
 }
 
 /* Blocks.by_lanes(L): per group of L outputs, per block, registers j of L lanes (lane o: output o's
    codes 4j..4j+3 as bytes, plus 128; or 4-bit codes as the file packs them, then registers of fifth
    and sixth bits, bit 8i + j code 4j + i's), then the scales (each half's with halves) and minimums
-   as float16; wide, as their signed 8-bit factors, and before each super-block of SUPER blocks the
+   as float16; factored, as their signed 8-bit factors, and before each super-block of SUPER blocks the
    float16 values they multiply (d's, then m's) */
 static uint8_t *by_lanes(const blocks *b, int L) {
-    const int codes = codes_of(b->kind), mins = has_mins(b->kind), wide = is_wide(b->kind), size = wide ? 1 : 2, spans = halves(b->kind) ? 2 : 1;
+    const int codes = codes_of(b->kind), mins = has_mins(b->kind), factored = is_factored(b->kind), size = factored ? 1 : 2, spans = halves(b->kind) ? 2 : 1;
     const int nb = b->K / 32, bytes = codes == 0 ? 32 : 12 + 4 * codes, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (spans + mins);
-    const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes, head = wide ? L * 2 * (1 + mins) : 0, supers = (nb + SUPER - 1) / SUPER;
-    const size_t group = (size_t)(wide ? supers : 0) * head + (size_t)nb * per; /* a group's bytes */
+    const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes, head = factored ? L * 2 * (1 + mins) : 0, supers = (nb + SUPER - 1) / SUPER;
+    const size_t group = (size_t)(factored ? supers : 0) * head + (size_t)nb * per; /* a group's bytes */
     uint8_t *out = calloc((size_t)groups * group, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
             uint8_t *first = out + (size_t)(n / L) * group + (size_t)(k / SUPER) * (head + SUPER * per); /* its super-block's */
-            uint8_t *at = wide ? first + head + (size_t)(k % SUPER) * per : out + ((size_t)(n / L) * nb + k) * per, stored[32];
+            uint8_t *at = factored ? first + head + (size_t)(k % SUPER) * per : out + ((size_t)(n / L) * nb + k) * per, stored[32];
             const size_t src = (size_t)n * nb + k;
             int q[32];
             for (int i = 0; i < 32; i++) q[i] = code(b, n, k * 32 + i) + offset;
@@ -184,7 +184,7 @@ static uint8_t *by_lanes(const blocks *b, int L) {
                 }
             }
             for (int i = 0; i < bytes; i++) at[(i / 4) * L * 4 + (n % L) * 4 + i % 4] = stored[i];
-            if (wide) {
+            if (factored) {
                 for (int h = 0; h < spans + mins; h++) at[L * bytes + h * L + n % L] = (uint8_t)b->f[src * (spans + mins) + h];
                 const float *s = b->s + ((size_t)n * supers + k / SUPER) * 2;
                 const uint16_t d = half_bits(s[0]), m = half_bits(s[1]);
@@ -243,7 +243,8 @@ static double reference(const blocks *b, int activations, const float *x, int n)
         const float top_code = activations == 1 ? 127.0f : 32639.0f;
         float top = 0.0f;
         for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(xb[i]));
-        const float inverse = top > 0.0f ? top_code / top : 0.0f, d_a = top / top_code;
+        float inverse = top > 0.0f ? top_code / top : 0.0f, d_a = top / top_code;
+        if (isinf(inverse)) inverse = 0.0f, d_a = 0.0f; /* a block too small for a scale: zeros (blocks.c) */
         const int spans = halves(b->kind) ? 2 : 1;
         int64_t codes = 0;
         const size_t at = (size_t)n * nb + k0;
@@ -267,6 +268,8 @@ static uint64_t check_product(int kind, int activations) {
     float *x = malloc(sizeof(float) * M * K), *all = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     memset(x + 3 * K + 32, 0, sizeof(float) * 32); /* a block of zeros: scale 0 */
+    memset(x + 5 * K, 0, sizeof(float) * K); /* a row of zeros but a block too small for a scale (1e-37 / 127 is no float): zeros too */
+    x[5 * K + 70] = 1e-37f;
     run(&p, x, M, all, 2);
     const char *name = names[kind];
     for (int r = 0; r < M; r++) {

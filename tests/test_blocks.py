@@ -105,8 +105,9 @@ def _integer_reference(x: torch.Tensor, blocks: Blocks, activations: str) -> tor
     chunks = x.view(rows, inputs // 32, 32)
     top = chunks.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, torch.full_like(top, top_code) / top, torch.zeros_like(top))  # (top_code / top would multiply by a reciprocal)
+    scale = torch.where(inverse.isinf(), 0.0, top / top_code)[..., 0].double()  # [rows, blocks]; a block too small for a scale: zeros
+    inverse = torch.where(inverse.isinf(), 0.0, inverse)
     codes = torch.round(chunks * inverse).to(torch.int64)  # [rows, blocks, 32]
-    scale = (top / top_code)[..., 0].double()  # [rows, blocks]
     weights = blocks.codes.to(torch.int64)
     if blocks.kind == "Q4_1":
         weights = torch.cat([weights & 15, weights >> 4], dim=-1)
@@ -136,6 +137,8 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
     product = block_product(blocks, activations=activations)
     x = torch.randn(70, inputs, generator=torch.Generator().manual_seed(1))
     x[3, 64:96] = 0  # a block of zeros: scale 0
+    x[5] = 0  # a row of zeros but a block too small for a scale (1e-37 / 127 is no float): zeros too
+    x[5, 130] = 1e-37
     everything = product(x)
     if activations == "float32":
         torch.testing.assert_close(everything, x @ blocks.dequantised().T, rtol=1e-5, atol=1e-4)
@@ -175,7 +178,7 @@ def test_the_integer_products_read_each_type_in_its_own_bits(kind):
         assert blocks.by_lanes(lanes).numel() == -(-40 // lanes) * lanes * LANES_BYTES[kind]
     if blocks.factors is not None:
         unfactored = Blocks(blocks.kind, blocks.codes, blocks.scales, blocks.mins)
-        assert "neither" in unfactored.integer_unsupported()
+        assert "8-bit factors" in unfactored.integer_unsupported()
     if blocks.kind == "Q8_0" and kind != "Q8_0":
         codes = blocks.codes.clone()
         codes[7, 3, 9] = INTEGER_OFFSETS["5-bit"]  # one code too many for 5 bits
@@ -263,7 +266,7 @@ def _kernels_check(compiler: str, flags: Sequence[str], out: Path, runner: Seque
 
 def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
     """A C driver of the kernels (tests/kernels_check.c: products of every block type on float32 rows
-    and of every integer layout (bytes, 4- and 5-bit codes, float16 and float32 scales) on 8- and
+    and of every integer layout (bytes, 4-, 5- and 6-bit codes, float16 and factored scales) on 8- and
     16-bit rows against plain references, row and thread invariance, the decoder layers of a
     tiny random model on both caches, a sequence alone against two in a pass) passes on every level
     this CPU runs and on ARM NEON, built with Debian's cross compiler and run under qemu-user, and

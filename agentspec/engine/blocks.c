@@ -685,7 +685,8 @@ INLINE void quantise_row_block(const float *x, int K, const int planes, agentspe
     const float top_code = planes == 1 ? 127.0f : 32639.0f;
     const float *xb = x + (size_t)r * K + (size_t)b * 32;
     const float top = v16_top(v16_max(v16_abs(v16_load(xb)), v16_abs(v16_load(xb + 16))));
-    const float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
+    float d = top / top_code, inverse = top > 0.0f ? top_code / top : 0.0f;
+    if (isinf(inverse)) d = 0.0f, inverse = 0.0f; /* max|x| below top_code / FLT_MAX (~1e-35): no scale reaches it, a block of zeros */
     const size_t at = (size_t)b * q->M + r;
     q->sum[at] = quantise_block(xb, inverse, planes, q->codes + at * ROW_BYTES(planes), q->half + at);
     q->scale[at] = d;
@@ -794,13 +795,14 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
    ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
 #define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                             \
     {                                                                                              \
-        const int nb = K / 32, groups = (N + LANES - 1) / LANES, n = M * nb;                      \
+        const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
+        const long n = (long)M * nb;                                                               \
         agentspec_q8_rows q = {malloc((size_t)n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
                                malloc(sizeof(int32_t) * n), M};                                    \
         _Pragma("omp parallel num_threads(threads)")                                               \
         {                                                                                          \
             _Pragma("omp for schedule(static)")                                                    \
-            for (int at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, at / nb, at % nb);  \
+            for (long at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, (int)(at / nb), (int)(at % nb)); \
             for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                \
                 const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
                 BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                     \

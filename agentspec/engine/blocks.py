@@ -397,6 +397,8 @@ class Blocks:
         elif self.kind == "Q8_1" and high > 31:
             return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
         if factored and self.factors is None:
+            if self.kind == "Q8_16":
+                return "the integer products take a scale per 16 weights only as a K-quant's 8-bit factors of a float16 one (Q6_K's), and these blocks have none"
             return "the integer products take scales that are float16 values or a K-quant's 8-bit factors of one, and these are neither"
         if self.kind == "Q4_1":
             return IntegerLayout("4-bit", True, factored)
