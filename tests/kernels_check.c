@@ -164,12 +164,12 @@ static uint8_t *by_lanes(const blocks *b, int L) {
     const int codes = codes_of(b->kind), mins = has_mins(b->kind), factored = is_factored(b->kind), size = factored ? 1 : 2, spans = halves(b->kind) ? 2 : 1;
     const int nb = b->K / 32, bytes = codes == 0 ? 32 : 12 + 4 * codes, groups = (b->N + L - 1) / L, per = L * bytes + L * size * (spans + mins);
     const int offset = mins ? 0 : codes == 0 ? 128 : 4 << codes, head = factored ? L * 2 * (1 + mins) : 0, supers = (nb + SUPER - 1) / SUPER;
-    const size_t group = (size_t)(factored ? supers : 0) * head + (size_t)nb * per; /* a group's bytes */
+    const size_t group = (size_t)supers * head + (size_t)nb * per; /* a group's bytes (head: 0 unless factored) */
     uint8_t *out = calloc((size_t)groups * group, 1);
     for (int n = 0; n < b->N; n++)
         for (int k = 0; k < nb; k++) {
             uint8_t *first = out + (size_t)(n / L) * group + (size_t)(k / SUPER) * (head + SUPER * per); /* its super-block's */
-            uint8_t *at = factored ? first + head + (size_t)(k % SUPER) * per : out + ((size_t)(n / L) * nb + k) * per, stored[32];
+            uint8_t *at = first + head + (size_t)(k % SUPER) * per, stored[32];
             const size_t src = (size_t)n * nb + k;
             int q[32];
             for (int i = 0; i < 32; i++) q[i] = code(b, n, k * 32 + i) + offset;

@@ -63,7 +63,7 @@ SAMPLES = {
 
 
 def _random_blocks(sample: str, outputs: int, inputs: int, seed: int) -> Blocks:
-    kind, codes_range, wide, _ = SAMPLES[sample]
+    kind, codes_range, factored, _ = SAMPLES[sample]
     generator = torch.Generator().manual_seed(seed)
     blocks = inputs // 32
     scales = (torch.rand(outputs, blocks * (2 if kind == "Q8_16" else 1), generator=generator) * 0.02).half().float()
@@ -74,7 +74,7 @@ def _random_blocks(sample: str, outputs: int, inputs: int, seed: int) -> Blocks:
         mins = (-torch.rand(outputs, blocks, generator=generator) * 0.1).half().float()
     else:
         mins = torch.zeros(outputs, blocks)
-    if not wide:
+    if not factored:
         return Blocks(kind, codes, scales, mins)
     # as the K-quants': per super-block a float16 scale (and minimum), per block 8-bit factors of them
     # (Q6_K's signed, one per 16 weights; the others' 6-bit), their products no float16 values

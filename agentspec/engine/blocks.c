@@ -785,7 +785,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                         \
+#define INT_CHUNK(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                     \
     {                                                                                              \
         _Pragma("omp for schedule(static)")                                                        \
         for (int g = 0; g < groups; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
@@ -793,7 +793,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
 
 /* One parallel region: the rows' blocks quantised (split over the threads), then each chunk of
    ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
-#define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                             \
+#define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                         \
     {                                                                                              \
         const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
         const long n = (long)M * nb;                                                               \
@@ -805,7 +805,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
             for (long at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, (int)(at / nb), (int)(at % nb)); \
             for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                \
                 const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
-                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                     \
+                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                 \
             }                                                                                      \
         }                                                                                          \
         free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \

@@ -406,8 +406,6 @@ class Blocks:
             return IntegerLayout("6-bit", False, True, True)
         if self.kind == "Q8_1":
             return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, factored)
-        if factored:
-            return "the integer products keep the scales of blocks without minimums as float16, and these are not float16 values"
         fits = [codes for codes in ("4-bit", "5-bit") if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
         return IntegerLayout(fits[0] if fits else "bytes", False, False)
 
