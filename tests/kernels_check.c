@@ -19,6 +19,7 @@
 #include <string.h>
 
 extern const int agentspec_lanes;
+int agentspec_cpu_runs_this(void);
 void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
@@ -360,6 +361,10 @@ static uint64_t check_layers(int activations, int kv_half) {
 }
 
 int main(void) {
+    if (!agentspec_cpu_runs_this()) { /* (and where it needs AMX, asks Linux for the tiles, as blocks.py does) */
+        printf("this CPU does not run the kernels of this level\n");
+        return 1;
+    }
     const char *rows[3] = {"float32", "q8", "q16"};
     for (int activations = 0; activations < 3; activations++)
         for (int kind = 0; kind < KINDS; kind++) {

@@ -208,7 +208,8 @@ def levels(gguf_blocks) -> list[str]:
     found = isa_levels()
     assert found and found[0] == gguf_blocks.kernels.isa
     if "avx512-vnni" in found:  # an AVX-512 machine builds and runs every x86 level below its own
-        assert found == [level.name for level in LEVELS if level.arch == "x86_64"]
+        x86 = [level.name for level in LEVELS if level.arch == "x86_64"]
+        assert found == x86[x86.index(found[0]) :]
     return found
 
 

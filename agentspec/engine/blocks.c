@@ -37,6 +37,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if AGENTSPEC_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if !defined(AGENTSPEC_WIDTH) || !defined(AGENTSPEC_VNNI)
 #error "build with -DAGENTSPEC_WIDTH=512|256|128 -DAGENTSPEC_VNNI=0|1 (blocks.py: LEVELS)"
@@ -52,6 +56,12 @@
 #endif
 #if AGENTSPEC_VNNI && AGENTSPEC_WIDTH != 128 && !(defined(__AVX512VNNI__) || defined(__AVXVNNI__))
 #error "AGENTSPEC_VNNI=1 needs AVX512-VNNI or AVX-VNNI"
+#endif
+#ifndef AGENTSPEC_AMX
+#define AGENTSPEC_AMX 0
+#endif
+#if AGENTSPEC_AMX && !(AGENTSPEC_WIDTH == 512 && AGENTSPEC_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__))
+#error "AGENTSPEC_AMX=1 is AVX512-VNNI with AMX-INT8 tiles (-mavx512vnni -mamx-tile -mamx-int8)"
 #endif
 
 #define UNROLL _Pragma("GCC unroll 16")
@@ -145,6 +155,7 @@ INLINE vf vf_from_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_e
 INLINE void vf_store_first(float *p, vf a, int n) { _mm512_mask_storeu_ps(p, first(n), a); }
 INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 INLINE vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+INLINE void vi_store(void *p, vi a) { _mm512_storeu_si512(p, a); }
 INLINE vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
@@ -433,6 +444,10 @@ __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
 #ifdef __AVXVNNI__
     ok = ok && __builtin_cpu_supports("avxvnni");
 #endif
+#if AGENTSPEC_AMX
+    /* Linux hands out the tiles' 8 KB of state per process on request (5.16 and later) */
+    ok = ok && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
     return ok != 0;
 }
 #endif
@@ -717,6 +732,80 @@ INLINE vi codes_of(const int codes, const uint8_t *at, vi fifth, vi sixth, int j
     return codes == CODES_5BIT ? five : vi_or(five, bit_to(sixth, j, 5));
 }
 
+/* AMX (Sapphire Rapids and later): a block's integer dot products for a chunk of rows in one
+   instruction. tdpbsud multiplies a tile of up to 16 rows of signed bytes (here each row's planes in
+   turn: a block's rows sit side by side, ROW_BYTES apart, so rows * planes rows 32 bytes apart) by a
+   tile of unsigned bytes laid out as the registers above are (row j: register j's 4 codes a lane),
+   giving every (row, plane) and output's dot product in 32-bit integers: exactly the sums vpdpbusd
+   gives, so the same bits. Each block's sums are stored (the scales differ per block) and scaled as
+   vpdpbusd's are. From AMX_ROWS rows on this is faster than vpdpbusd (docs/kernels.md); fewer rows,
+   and blocks with a scale per half (two 16-input products: slower than vpdpbusd), keep vpdpbusd. */
+#if AGENTSPEC_AMX
+#define AMX_ROWS 5
+#define USES_AMX(rows, halves) ((rows) >= AMX_ROWS && !(halves))
+#define AMX_AHEAD 6 /* blocks whose codes are unpacked ahead of their tiles */
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start, reserved[14];
+    uint16_t columns[16]; /* bytes a row */
+    uint8_t rows[16];
+} amx_config;
+
+/* The calling thread's tiles for `rows` rows (rows times planes), in two sets that blocks take in
+   turn (an instruction on a tile waits for the last one on it): tiles 0, 1 the dot products (rows x
+   LANES 32-bit integers); 2, 3 the rows' bytes; 4, 5 the codes. */
+static void amx_configure(int rows) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int set = 0; set < 2; set++) {
+        config.rows[set] = (uint8_t)rows, config.columns[set] = 4 * LANES;
+        config.rows[2 + set] = (uint8_t)rows, config.columns[2 + set] = 32;
+        config.rows[4 + set] = 8, config.columns[4 + set] = 4 * LANES;
+    }
+    _tile_loadconfig(&config);
+}
+
+#define AMX_DOTS(rows, codes, dots, DOTS, ROWS, CODES) /* the tiles' numbers: literals, as the instructions take them */ \
+    {                                                                                              \
+        _tile_loadd(ROWS, rows, 32);                                                               \
+        _tile_loadd(CODES, codes, REGISTER);                                                       \
+        _tile_zero(DOTS);                                                                          \
+        _tile_dpbsud(DOTS, ROWS, CODES);                                                           \
+        _tile_stored(DOTS, dots, 4 * LANES);                                                       \
+    }
+
+/* Block b's dot products (its codes at `at`; unpacked to bytes at `unpacked`) into dots: (row,
+   plane) i's at dots + i * LANES. */
+INLINE void amx_block(const int codes, const int planes, const agentspec_q8_rows *q, const uint8_t *at, int b, const uint8_t *unpacked, int32_t *dots) {
+    const uint8_t *rows = q->codes + (size_t)b * q->M * ROW_BYTES(planes), *registers = codes == CODES_BYTES ? at : unpacked;
+    if (b % 2 == 0)
+        AMX_DOTS(rows, registers, dots, 0, 2, 4)
+    else
+        AMX_DOTS(rows, registers, dots, 1, 3, 5)
+}
+
+/* The codes of the block at `at` as bytes, a register a row (tdpbsud's unsigned tile; bytes: the
+   block itself). */
+INLINE void amx_unpack(const int codes, const uint8_t *at, uint8_t *out) {
+    if (codes == CODES_BYTES) return;
+    const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
+    const vi sixth = codes == CODES_6BIT ? vi_load(at + 5 * REGISTER) : vi_zero();
+    UNROLL for (int j = 0; j < 8; j++) vi_store(out + j * REGISTER, codes_of(codes, at, fifth, sixth, j));
+}
+#define AMX_RELEASE() _tile_release()
+#else
+#define USES_AMX(rows, halves) 0
+#define amx_configure(rows)
+#define AMX_RELEASE()
+#endif
+
+/* Block b of group g (`group` bytes a group, `chunk` a super-block of `per` blocks of `bytes` after
+   its `head` bytes of super-scales). */
+INLINE const uint8_t *int_block(const uint8_t *w, int g, size_t group, size_t chunk, int head, int per, int bytes, int b) {
+    return w + (size_t)g * group + (size_t)(b / per) * chunk + head + (size_t)(b % per) * bytes;
+}
+
+
 /* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes, blocks
    of `codes` with or without minimums, `factored` scales, a scale per block or per half ("halves": the
    dot products of registers 0..3 and 4..7 scaled apart), all compile-time constants at every call
@@ -731,15 +820,33 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
     const size_t chunk = (size_t)head + (size_t)per * bytes, group = (size_t)(nb + per - 1) / per * head + (size_t)nb * bytes; /* a super-block's, a group's bytes */
     vf acc[ROWS8];
     UNROLL for (int r = 0; r < ROWS8; r++) acc[r] = vf_zero();
+#if AGENTSPEC_AMX
+    /* Pipelined: while block b's sums are scaled, block b + 1's tiles run (into the other set, and
+       dots[(b + 1) % 2]) and block b + AMX_AHEAD's codes are unpacked (a tile load of what vector
+       stores have just written waits for them: here ~45 cycles a block). */
+    uint8_t unpacked[AMX_AHEAD + 1][8 * REGISTER] __attribute__((aligned(64)));
+    int32_t dots[2][16 * LANES] __attribute__((aligned(64)));
+    if (USES_AMX(rows, halves)) {
+        for (int b = 0; b < AMX_AHEAD && b < nb; b++) amx_unpack(codes, int_block(w, g, group, chunk, head, per, bytes, b), unpacked[b]);
+        amx_block(codes, planes, q, int_block(w, g, group, chunk, head, per, bytes, 0), 0, unpacked[0], dots[0]);
+    }
+#endif
     for (int b = 0; b < nb; b++) {
-        const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = supers + head + (size_t)(b % per) * bytes;
+        const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = int_block(w, g, group, chunk, head, per, bytes, b);
         for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
         const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
         const vi sixth = codes == CODES_6BIT ? vi_load(at + 5 * REGISTER) : vi_zero();
+#if AGENTSPEC_AMX
+        if (USES_AMX(rows, halves) && b + 1 < nb) {
+            amx_block(codes, planes, q, int_block(w, g, group, chunk, head, per, bytes, b + 1), b + 1, unpacked[(b + 1) % (AMX_AHEAD + 1)], dots[(b + 1) % 2]);
+            if (b + AMX_AHEAD < nb) amx_unpack(codes, int_block(w, g, group, chunk, head, per, bytes, b + AMX_AHEAD), unpacked[(b + AMX_AHEAD) % (AMX_AHEAD + 1)]);
+        }
+#endif
         UNROLL for (int h = 0; h < spans; h++) {
             vi part[ROWS8][2];
             UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
+            if (!USES_AMX(rows, halves)) {
             UNROLL for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
                 const vi u = codes_of(codes, at, fifth, sixth, j);
 #if AGENTSPEC_VNNI
@@ -765,12 +872,19 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
                 }
 #endif
             }
+            }
             const uint8_t *scale = at + scales + h * LANES * size, *minimum = at + scales + spans * LANES * size;
             const vf d = factored ? vf_mul(vf_load_half(supers), vf_from_i8(scale)) : vf_load_half(scale);
             const vf m = !mins ? vf_zero() : factored ? vf_mul(vf_load_half(supers + LANES * 2), vf_from_i8(minimum)) : vf_load_half(minimum);
             UNROLL for (int r = 0; r < ROWS8; r++) {
                 if (r < rows) {
                     const size_t rb = rows_at + r;
+#if AGENTSPEC_AMX
+                    if (USES_AMX(rows, halves)) {
+                        const int32_t *dot = dots[b % 2] + planes * r * LANES;
+                        part[r][0] = vi_load(dot), part[r][1] = planes == 2 ? vi_load(dot + LANES) : vi_zero();
+                    }
+#endif
                     vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);
                     const int32_t sum = !halves ? q->sum[rb] : h == 0 ? q->half[rb] : q->sum[rb] - q->half[rb]; /* of the span's codes */
                     if (offset) dot = vi_sub(dot, vi_set1(offset * sum));
@@ -787,8 +901,10 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
 
 #define INT_CHUNK(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                     \
     {                                                                                              \
+        if (USES_AMX(ROWS, HALVES)) amx_configure((ROWS) * (PLANES));                              \
         _Pragma("omp for schedule(static)")                                                        \
         for (int g = 0; g < groups; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        if (USES_AMX(ROWS, HALVES)) AMX_RELEASE();                                                 \
     }
 
 /* One parallel region: the rows' blocks quantised (split over the threads), then each chunk of

@@ -129,6 +129,9 @@ class Level:
     # compiler flags, the first whose needs this CPU has (AVX-VNNI's vpdpbusd on ymm is also an
     # AVX512-VNNI + VL instruction: a CPU with those runs the same code, EVEX-encoded)
     variants: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
+    # AGENTSPEC_AMX: integer products of several rows on AMX-INT8 tiles (tdpbsud), the same sums as
+    # vpdpbusd (so the same bits: fewer rows keep vpdpbusd)
+    amx: bool = False
 
 
 _V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
@@ -137,6 +140,10 @@ _V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
 # level a CPU runs). NEON is built and checked under qemu-user here (tests/kernels_check.c); its speed
 # is unmeasured until someone runs it on an ARM CPU.
 LEVELS: tuple[Level, ...] = (
+    Level(
+        "avx512-amx", "x86_64", 512, True, (*_V4, "avx512_vnni", "amx_tile", "amx_int8"),
+        ((("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"), ()),), amx=True,
+    ),
     Level("avx512-vnni", "x86_64", 512, True, (*_V4, "avx512_vnni"), ((("-march=x86-64-v4", "-mavx512vnni"), ()),)),
     Level("avx512", "x86_64", 512, False, _V4, ((("-march=x86-64-v4",), ()),)),
     Level(
@@ -199,7 +206,7 @@ def kernel_flags(isa: str, native: bool = True) -> tuple[str, ...]:
     if isinstance(variant, str):
         raise NotImplementedError(variant)
     flags = FLAGS if native else tuple(f for f in FLAGS if f != "-mtune=native")
-    return (*flags, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}")
+    return (*flags, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}", f"-DAGENTSPEC_AMX={int(level.amx)}")
 
 
 def _variant(level: Level) -> tuple[str, ...] | str:
