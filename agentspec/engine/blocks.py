@@ -19,9 +19,9 @@ is why the same blocks also multiply rows rounded to integers per block of 32 (`
 times a float FMA's multiply-adds per instruction, and 16-bit rows keep the logits within ~0.01 of
 float32's (``blocks.c``, ``weights.py``).
 
-The kernels are C, one source built per instruction-set level (``LEVELS``: AVX-512 with and without
-VNNI, AVX2 with and without AVX-VNNI), compiled on first use with the machine's C compiler (``$CC``,
-else ``cc``) and cached under ``$AGENTSPEC_CACHE_DIR/kernels``. A pass runs on the fastest level the
+The kernels are C, one source built per instruction-set level (``LEVELS``: AVX-512 with AMX tiles,
+with and without VNNI, AVX2 with and without AVX-VNNI, ARM NEON), compiled on first use with the
+machine's C compiler (``$CC``, else ``cc``) and cached under ``$AGENTSPEC_CACHE_DIR/kernels``. A pass runs on the fastest level the
 CPU runs (``$AGENTSPEC_ISA`` caps it: ``AGENTSPEC_ISA=avx2`` runs an AVX-512 machine as an AVX2 one),
 and every level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree,
 integer dot products exact. Where there is no compiler or no AVX2 the pass is not a candidate and
