@@ -279,6 +279,8 @@ static uint64_t check_product(int kind, int activations) {
     }
     run(&p, x + 7 * K, 9, part, 2); /* a tile of 8 and a remainder of 1, from row 7 */
     CHECK(memcmp(part, all + 7 * N, sizeof(float) * 9 * N) == 0, "%s x %d-bit rows: rows 7..15 differ", name, 8 * activations);
+    run(&p, x + 2 * K, 5, part, 2); /* a tile of 5 (the fewest rows AMX takes) */
+    CHECK(memcmp(part, all + 2 * N, sizeof(float) * 5 * N) == 0, "%s x %d-bit rows: rows 2..6 differ", name, 8 * activations);
     run(&p, x, M, part, 1);
     CHECK(memcmp(part, all, sizeof(float) * M * N) == 0, "%s x %d-bit rows: one thread differs from two", name, 8 * activations);
     double worst = 0.0;
