@@ -805,7 +805,6 @@ INLINE const uint8_t *int_block(const uint8_t *w, int g, size_t group, size_t ch
     return w + (size_t)g * group + (size_t)(b / per) * chunk + head + (size_t)(b % per) * bytes;
 }
 
-
 /* One tile: the LANES outputs of group g for `rows` rows on activations in `planes` planes, blocks
    of `codes` with or without minimums, `factored` scales, a scale per block or per half ("halves": the
    dot products of registers 0..3 and 4..7 scaled apart), all compile-time constants at every call
@@ -847,31 +846,31 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
             vi part[ROWS8][2];
             UNROLL for (int r = 0; r < ROWS8; r++) part[r][0] = part[r][1] = vi_zero();
             if (!USES_AMX(rows, halves)) {
-            UNROLL for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
-                const vi u = codes_of(codes, at, fifth, sixth, j);
+                UNROLL for (int j = h * span; j < (h + 1) * span; j++) { /* register j: weights 4j..4j+3 of each lane's output */
+                    const vi u = codes_of(codes, at, fifth, sixth, j);
 #if AGENTSPEC_VNNI
-                UNROLL for (int r = 0; r < ROWS8; r++) {
-                    if (r < rows) {
-                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
-                        if (planes == 2) {
-                            part[r][0] = vi_dot4(part[r][0], u, vi_set1(a[j]));
-                            part[r][1] = vi_dot4(part[r][1], u, vi_set1(a[8 + j]));
-                        } else {
-                            part[r][j % 2] = vi_dot4(part[r][j % 2], u, vi_set1(a[j]));
+                    UNROLL for (int r = 0; r < ROWS8; r++) {
+                        if (r < rows) {
+                            const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes));
+                            if (planes == 2) {
+                                part[r][0] = vi_dot4(part[r][0], u, vi_set1(a[j]));
+                                part[r][1] = vi_dot4(part[r][1], u, vi_set1(a[8 + j]));
+                            } else {
+                                part[r][j % 2] = vi_dot4(part[r][j % 2], u, vi_set1(a[j]));
+                            }
                         }
                     }
-                }
 #else
-                const vi low = vi_bytes16(u, 0), high = vi_bytes16(u, 1); /* codes 4j, 4j + 1 and 4j + 2, 4j + 3 as 16-bit pairs */
-                UNROLL for (int r = 0; r < ROWS8; r++) {
-                    if (r < rows) {
-                        const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes)); /* 16-bit pairs */
-                        part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(low, vi_set1(a[2 * j]))));
-                        part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(high, vi_set1(a[2 * j + 1]))));
+                    const vi low = vi_bytes16(u, 0), high = vi_bytes16(u, 1); /* codes 4j, 4j + 1 and 4j + 2, 4j + 3 as 16-bit pairs */
+                    UNROLL for (int r = 0; r < ROWS8; r++) {
+                        if (r < rows) {
+                            const int32_t *a = (const int32_t *)(q->codes + (rows_at + r) * ROW_BYTES(planes)); /* 16-bit pairs */
+                            part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(low, vi_set1(a[2 * j]))));
+                            part[r][0] = vi_keep(vi_add(part[r][0], vi_madd16(high, vi_set1(a[2 * j + 1]))));
+                        }
                     }
-                }
 #endif
-            }
+                }
             }
             const uint8_t *scale = at + scales + h * LANES * size, *minimum = at + scales + spans * LANES * size;
             const vf d = factored ? vf_mul(vf_load_half(supers), vf_from_i8(scale)) : vf_load_half(scale);
