@@ -37,7 +37,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if AGENTSPEC_AMX
+#if AGENTSPEC_AMX && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -431,7 +431,7 @@ INLINE vi vi_dot4(vi acc, vi u, vi s) { return vdotq_s32(acc, vreinterpretq_s8_s
 INLINE v16 v16_abs(v16 a) { return v16_max(a, v16_sub(v16_zero(), a)); }
 
 /* Whether this CPU runs what this library was built for (compiled for any CPU of its architecture, so
-   safe to call). */
+   safe to call). Call it before any product: on the AMX level it also asks Linux for the tiles. */
 #if defined(__aarch64__)
 int agentspec_cpu_runs_this(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
 #else
@@ -444,9 +444,12 @@ __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
 #ifdef __AVXVNNI__
     ok = ok && __builtin_cpu_supports("avxvnni");
 #endif
-#if AGENTSPEC_AMX
-    /* Linux hands out the tiles' 8 KB of state per process on request (5.16 and later) */
+#if AGENTSPEC_AMX && defined(__linux__)
+    /* Linux lets a process use the tiles once it asks (5.16 and later); each thread's 8 KB of tile
+       state is allocated at its first use */
     ok = ok && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#elif AGENTSPEC_AMX
+    ok = 0; /* how another system grants the tiles is not known here */
 #endif
     return ok != 0;
 }
@@ -615,6 +618,8 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
      block takes two dot products per register.
    - otherwise (AVX2, AVX-512 without VNNI): vpmaddwd on 16-bit halves of the lanes, codes widened
      by a byte shuffle, activations kept as 16-bit integers (both q8 and q16: one plane).
+   - AMX (level avx512-amx, 5 or more rows): vpdpbusd's products, a block's for every row at once in
+     one tile multiply (below).
    Codes are unsigned: sum((q - offset) a) = sum(q a) - offset sum(a), exactly, in 32-bit integers.
 
    Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
@@ -743,45 +748,47 @@ INLINE vi codes_of(const int codes, const uint8_t *at, vi fifth, vi sixth, int j
 #if AGENTSPEC_AMX
 #define AMX_ROWS 5
 #define USES_AMX(rows, halves) ((rows) >= AMX_ROWS && !(halves))
-#define AMX_AHEAD 6 /* blocks whose codes are unpacked ahead of their tiles */
+#define AMX_AHEAD 6 /* how many blocks ahead of the one being scaled its codes are unpacked */
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette, start, reserved[14];
     uint16_t columns[16]; /* bytes a row */
     uint8_t rows[16];
 } amx_config;
 
-/* The calling thread's tiles for `rows` rows (rows times planes), in two sets that blocks take in
-   turn (an instruction on a tile waits for the last one on it): tiles 0, 1 the dot products (rows x
-   LANES 32-bit integers); 2, 3 the rows' bytes; 4, 5 the codes. */
-static void amx_configure(int rows) {
+/* The calling thread's tiles for `tile_rows` rows (a chunk's rows times their planes), in two sets
+   that blocks take in turn (an instruction on a tile waits for the last one on it): tiles 0, 1 the dot
+   products (tile_rows x LANES 32-bit integers); 2, 3 the rows' bytes; 4, 5 the codes. */
+static void amx_configure(int tile_rows) {
     amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int set = 0; set < 2; set++) {
-        config.rows[set] = (uint8_t)rows, config.columns[set] = 4 * LANES;
-        config.rows[2 + set] = (uint8_t)rows, config.columns[2 + set] = 32;
+        config.rows[set] = (uint8_t)tile_rows, config.columns[set] = 4 * LANES;
+        config.rows[2 + set] = (uint8_t)tile_rows, config.columns[2 + set] = 32;
         config.rows[4 + set] = 8, config.columns[4 + set] = 4 * LANES;
     }
+    __asm__ volatile("" : : "m"(config)); /* every byte read (GCC's ldtilecfg names only the first 8) */
     _tile_loadconfig(&config);
 }
 
-#define AMX_DOTS(rows, codes, dots, DOTS, ROWS, CODES) /* the tiles' numbers: literals, as the instructions take them */ \
-    {                                                                                              \
-        _tile_loadd(ROWS, rows, 32);                                                               \
-        _tile_loadd(CODES, codes, REGISTER);                                                       \
+#define AMX_DOTS(activations, registers, dots, DOTS, ROWS, CODES) /* the tiles' numbers: literals, as the instructions take them */ \
+    do {                                                                                           \
+        _tile_loadd(ROWS, activations, 32);                                                        \
+        _tile_loadd(CODES, registers, REGISTER);                                                   \
         _tile_zero(DOTS);                                                                          \
         _tile_dpbsud(DOTS, ROWS, CODES);                                                           \
         _tile_stored(DOTS, dots, 4 * LANES);                                                       \
-    }
+    } while (0)
 
 /* Block b's dot products (its codes at `at`; unpacked to bytes at `unpacked`) into dots: (row,
    plane) i's at dots + i * LANES. */
 INLINE void amx_block(const int codes, const int planes, const agentspec_q8_rows *q, const uint8_t *at, int b, const uint8_t *unpacked, int32_t *dots) {
-    const uint8_t *rows = q->codes + (size_t)b * q->M * ROW_BYTES(planes), *registers = codes == CODES_BYTES ? at : unpacked;
+    const uint8_t *activations = q->codes + (size_t)b * q->M * ROW_BYTES(planes), *registers = codes == CODES_BYTES ? at : unpacked;
+    __asm__ volatile("" : : : "memory"); /* the unpacked codes stored first (the tile loads name no memory) */
     if (b % 2 == 0)
-        AMX_DOTS(rows, registers, dots, 0, 2, 4)
+        AMX_DOTS(activations, registers, dots, 0, 2, 4);
     else
-        AMX_DOTS(rows, registers, dots, 1, 3, 5)
+        AMX_DOTS(activations, registers, dots, 1, 3, 5);
 }
 
 /* The codes of the block at `at` as bytes, a register a row (tdpbsud's unsigned tile; bytes: the
@@ -800,7 +807,7 @@ INLINE void amx_unpack(const int codes, const uint8_t *at, uint8_t *out) {
 #endif
 
 /* Block b of group g (`group` bytes a group, `chunk` a super-block of `per` blocks of `bytes` after
-   its `head` bytes of super-scales). */
+   its `head` bytes of super-scales), as int_tile addresses it. */
 INLINE const uint8_t *int_block(const uint8_t *w, int g, size_t group, size_t chunk, int head, int per, int bytes, int b) {
     return w + (size_t)g * group + (size_t)(b / per) * chunk + head + (size_t)(b % per) * bytes;
 }
@@ -810,7 +817,8 @@ INLINE const uint8_t *int_block(const uint8_t *w, int g, size_t group, size_t ch
    dot products of registers 0..3 and 4..7 scaled apart), all compile-time constants at every call
    site. A dot product of a row, in 32-bit integers (|sum| < 2^29, so exact whatever the order): with
    VNNI two chains of vpdpbusd (one per plane, or halves of the registers) to hide its latency; with
-   vpmaddwd one chain of additions (1 cycle each), so 8 rows' sums stay in 16 ymm registers. */
+   vpmaddwd one chain of additions (1 cycle each), so 8 rows' sums stay in 16 ymm registers; on AMX
+   (USES_AMX) the same sums from the tiles (amx_block), issued a block ahead. */
 INLINE void int_tile(const int codes, const int mins, const int factored, const int halves, const int planes, const agentspec_q8_rows *q, const int rows,
                      int K, const uint8_t *w, float *y, int N, int g) {
     const int nb = K / 32, bytes = INT_BYTES(codes, mins, factored, halves), scales = LANES * CODE_BYTES(codes), size = factored ? 1 : 2;
@@ -822,16 +830,17 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
 #if AGENTSPEC_AMX
     /* Pipelined: while block b's sums are scaled, block b + 1's tiles run (into the other set, and
        dots[(b + 1) % 2]) and block b + AMX_AHEAD's codes are unpacked (a tile load of what vector
-       stores have just written waits for them: here ~45 cycles a block). */
+       stores have just written waits for them: here ~45 cycles a block). A slot is rewritten two blocks
+       after its tile load was issued. */
     uint8_t unpacked[AMX_AHEAD + 1][8 * REGISTER] __attribute__((aligned(64)));
     int32_t dots[2][16 * LANES] __attribute__((aligned(64)));
-    if (USES_AMX(rows, halves)) {
+    if (USES_AMX(rows, halves) && nb > 0) {
         for (int b = 0; b < AMX_AHEAD && b < nb; b++) amx_unpack(codes, int_block(w, g, group, chunk, head, per, bytes, b), unpacked[b]);
         amx_block(codes, planes, q, int_block(w, g, group, chunk, head, per, bytes, 0), 0, unpacked[0], dots[0]);
     }
 #endif
     for (int b = 0; b < nb; b++) {
-        const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = int_block(w, g, group, chunk, head, per, bytes, b);
+        const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = supers + head + (size_t)(b % per) * bytes;
         for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
         const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
@@ -880,8 +889,8 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
                     const size_t rb = rows_at + r;
 #if AGENTSPEC_AMX
                     if (USES_AMX(rows, halves)) {
-                        const int32_t *dot = dots[b % 2] + planes * r * LANES;
-                        part[r][0] = vi_load(dot), part[r][1] = planes == 2 ? vi_load(dot + LANES) : vi_zero();
+                        const int32_t *sums = dots[b % 2] + planes * r * LANES;
+                        part[r][0] = vi_load(sums), part[r][1] = planes == 2 ? vi_load(sums + LANES) : vi_zero();
                     }
 #endif
                     vi dot = vi_add(AGENTSPEC_VNNI && planes == 2 ? vi_shl(part[r][0], 8) : part[r][0], part[r][1]);

@@ -19,8 +19,8 @@ is why the same blocks also multiply rows rounded to integers per block of 32 (`
 times a float FMA's multiply-adds per instruction, and 16-bit rows keep the logits within ~0.01 of
 float32's (``blocks.c``, ``weights.py``).
 
-The kernels are C, one source built per instruction-set level (``LEVELS``: AVX-512 with AMX tiles,
-with and without VNNI, AVX2 with and without AVX-VNNI, ARM NEON), compiled on first use with the
+The kernels are C, one source built per instruction-set level (``LEVELS``: AVX-512 with VNNI and AMX
+tiles, with VNNI, without; AVX2 with and without AVX-VNNI; ARM NEON), compiled on first use with the
 machine's C compiler (``$CC``, else ``cc``) and cached under ``$AGENTSPEC_CACHE_DIR/kernels``. A pass runs on the fastest level the
 CPU runs (``$AGENTSPEC_ISA`` caps it: ``AGENTSPEC_ISA=avx2`` runs an AVX-512 machine as an AVX2 one),
 and every level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree,
@@ -129,8 +129,8 @@ class Level:
     # compiler flags, the first whose needs this CPU has (AVX-VNNI's vpdpbusd on ymm is also an
     # AVX512-VNNI + VL instruction: a CPU with those runs the same code, EVEX-encoded)
     variants: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
-    # AGENTSPEC_AMX: integer products of several rows on AMX-INT8 tiles (tdpbsud), the same sums as
-    # vpdpbusd (so the same bits: fewer rows keep vpdpbusd)
+    # AGENTSPEC_AMX: integer products of 5 or more rows on AMX-INT8 tiles (tdpbsud), the same sums as
+    # vpdpbusd, so the same bits (fewer rows, and Q6_K's scales per half block, keep vpdpbusd)
     amx: bool = False
 
 
@@ -255,12 +255,13 @@ def _build(name: str) -> ctypes.CDLL | str:
                 return f"could not build the GGUF block kernels in {folder} ({exc})"
             if done.returncode != 0:
                 error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-                return f"the GGUF block kernels do not build here for {name} ({error.strip()})"
+                return f"{name}: the GGUF block kernels do not build here ({error.strip()})"  # a lower level may
             os.replace(partial, library)  # atomic: a concurrent builder's copy is the same
             log.info("built the GGUF block kernels for %s: %s", name, library)
     kernels = ctypes.CDLL(str(library))
     if not kernels.agentspec_cpu_runs_this():
-        return f"{name}: this CPU does not run the kernels built for it"
+        granted = " (or the system did not grant its AMX tiles: Linux 5.16 or later does)" if level.amx else ""
+        return f"{name}: this CPU does not run the kernels built for it{granted}"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     for symbol in _SYMBOLS.values():  # (x, M, K, blocks grouped for few rows, for many, y, N, threads)
         getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, integer, integer]
