@@ -802,6 +802,7 @@ INLINE void amx_unpack(const int codes, const uint8_t *at, uint8_t *out) {
 #define AMX_RELEASE() _tile_release()
 #else
 #define USES_AMX(rows, halves) 0
+#define AMX_AHEAD 0
 #define amx_configure(rows)
 #define AMX_RELEASE()
 #endif
@@ -841,7 +842,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
 #endif
     for (int b = 0; b < nb; b++) {
         const uint8_t *supers = w + (size_t)g * group + (size_t)(b / per) * chunk, *at = supers + head + (size_t)(b % per) * bytes;
-        for (int line = 0; line < bytes; line += 64) PREFETCH(at + AHEAD * bytes + line);
+        for (int line = 0; line < bytes; line += 64) PREFETCH(at + (USES_AMX(rows, halves) ? AHEAD + AMX_AHEAD : AHEAD) * bytes + line); /* the tiles read AMX_AHEAD blocks ahead */
         const size_t rows_at = (size_t)b * q->M; /* row r of block b: rows_at + r */
         const vi fifth = codes >= CODES_5BIT ? vi_load(at + 4 * REGISTER) : vi_zero();
         const vi sixth = codes == CODES_6BIT ? vi_load(at + 5 * REGISTER) : vi_zero();
