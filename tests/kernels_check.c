@@ -39,10 +39,10 @@ typedef struct {
     int gelu;
     float softcap;
 } layer_arg;
-typedef struct { int start, stop, past, capacity; void *kv; } segment_arg;
+typedef struct { int start, stop, past, capacity; void *keys, *values; } segment_arg;
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
                       const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const segment_arg *segments, int nseg,
-                      int kv_half, int threads);
+                      int key_half, int value_half, int threads);
 
 static int failures = 0;
 #define CHECK(cond, ...)                                                                           \
@@ -303,7 +303,7 @@ static uint64_t check_product(int kind, int activations) {
    2; the residuals are scaled by 0.5. */
 enum { LAYERS = 2, H = 64, HEADS = 4, KV_HEADS = 2, HEAD_DIM = 16, MLP = 96, CAPACITY = 16 };
 
-static uint64_t check_layers(int activations, int kv_half) {
+static uint64_t check_layers(int activations, int key_half, int value_half) {
     static blocks weights[LAYERS][4];
     static float norms[LAYERS][2][H], bias[(HEADS + 2 * KV_HEADS) * HEAD_DIM], qk_norms[2][HEAD_DIM], post[2][H];
     for (int i = 0; i < 2 * H; i++) post[i / H][i % H] = 0.5f + 0.5f * fabsf(uniform());
@@ -326,8 +326,10 @@ static uint64_t check_layers(int activations, int kv_half) {
             layers[l].rotary = 0, layers[l].post_attention = post[0], layers[l].post_mlp = post[1], layers[l].post_eps = 1e-6f, layers[l].gelu = 1,
             layers[l].softcap = 2.0f;
     }
-    const size_t kv_bytes = (size_t)LAYERS * 2 * KV_HEADS * CAPACITY * HEAD_DIM * (kv_half ? 2 : 4);
-    void *kv_a = calloc(kv_bytes, 1), *kv_b = calloc(kv_bytes, 1), *kv_alone = calloc(kv_bytes, 1);
+    /* each sequence's keys, then its values: [LAYERS, KV_HEADS, CAPACITY, HEAD_DIM] each, float16 or float32 */
+    const size_t key_bytes = (size_t)LAYERS * KV_HEADS * CAPACITY * HEAD_DIM * (key_half ? 2 : 4);
+    const size_t kv_bytes = key_bytes + (size_t)LAYERS * KV_HEADS * CAPACITY * HEAD_DIM * (value_half ? 2 : 4);
+    char *kv_a = calloc(kv_bytes, 1), *kv_b = calloc(kv_bytes, 1), *kv_alone = calloc(kv_bytes, 1);
     float cos_[8 * HEAD_DIM], sin_[8 * HEAD_DIM], hidden[8 * H], alone[5 * H];
     for (int t = 0; t < 8; t++)
         for (int i = 0; i < HEAD_DIM; i++) cos_[t * HEAD_DIM + i] = cosf(0.3f * t * (i % 8 + 1)), sin_[t * HEAD_DIM + i] = sinf(0.3f * t * (i % 8 + 1));
@@ -341,18 +343,20 @@ static uint64_t check_layers(int activations, int kv_half) {
         memcpy(sin8 + t * HEAD_DIM, sin_ + position * HEAD_DIM, sizeof(float) * HEAD_DIM);
     }
     const float scaling = 0.25f; /* 1 / sqrt(16) */
-    segment_arg both[2] = {{0, 5, 0, CAPACITY, kv_a}, {5, 8, 0, CAPACITY, kv_b}}, one[1] = {{0, 5, 0, CAPACITY, kv_alone}};
-    agentspec_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, both, 2, kv_half, 2);
-    agentspec_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, one, 1, kv_half, 1);
-    CHECK(memcmp(alone, hidden, sizeof(alone)) == 0, "layers (%d-bit rows, %s cache): a sequence alone differs", 16 * (activations > 0), kv_half ? "float16" : "float32");
+    segment_arg both[2] = {{0, 5, 0, CAPACITY, kv_a, kv_a + key_bytes}, {5, 8, 0, CAPACITY, kv_b, kv_b + key_bytes}};
+    segment_arg one[1] = {{0, 5, 0, CAPACITY, kv_alone, kv_alone + key_bytes}};
+    agentspec_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, both, 2, key_half, value_half, 2);
+    agentspec_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, one, 1, key_half, value_half, 1);
+    CHECK(memcmp(alone, hidden, sizeof(alone)) == 0, "layers (%d-bit rows, %s keys, %s values): a sequence alone differs", 16 * (activations > 0),
+          key_half ? "float16" : "float32", value_half ? "float16" : "float32");
     CHECK(memcmp(kv_alone, kv_a, kv_bytes) == 0, "layers: a sequence's keys and values alone differ");
     uint64_t h = hash_bytes(0xCBF29CE484222325u, hidden, sizeof(hidden));
     /* a second pass: 2 more tokens of sequence a over its 5 */
     float more[2 * H];
     for (int i = 0; i < 2 * H; i++) more[i] = uniform();
-    segment_arg again[1] = {{0, 2, 5, CAPACITY, kv_a}};
+    segment_arg again[1] = {{0, 2, 5, CAPACITY, kv_a, kv_a + key_bytes}};
     agentspec_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, HEAD_DIM, scaling, 0.5f, again, 1,
-                     kv_half, 2);
+                     key_half, value_half, 2);
     for (int i = 0; i < 2 * H; i++) CHECK(isfinite(more[i]), "layers: a second pass gave %g", more[i]);
     h = hash_bytes(h, more, sizeof(more));
     h = hash_bytes(h, kv_a, kv_bytes);
@@ -373,9 +377,11 @@ int main(void) {
             if (activations ? kind == Q8_16 || kind == Q8_1 : kind > Q8_1) continue; /* Q8_16, Q8_1: float32 rows only; the rest: integer rows */
             printf("product %s %s %016llx\n", names[kind], rows[activations], (unsigned long long)check_product(kind, activations));
         }
+    const int caches[3][2] = {{0, 0}, {1, 1}, {0, 1}}; /* float16 keys? float16 values? (float32 keys and float16 values: real models' key ranges) */
     for (int activations = 0; activations < 3; activations += 2)
-        for (int kv_half = 0; kv_half < 2; kv_half++)
-            printf("layers %s %s-cache %016llx\n", rows[activations], kv_half ? "float16" : "float32", (unsigned long long)check_layers(activations, kv_half));
+        for (int c = 0; c < 3; c++)
+            printf("layers %s %s-keys %s-values %016llx\n", rows[activations], caches[c][0] ? "float16" : "float32", caches[c][1] ? "float16" : "float32",
+                   (unsigned long long)check_layers(activations, caches[c][0], caches[c][1]));
     printf("%s\n", failures ? "FAILED" : "ok");
     return failures != 0;
 }

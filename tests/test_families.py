@@ -103,10 +103,24 @@ def test_compiled_layers_give_the_models_logits(family, tmp_path):
     """The compiled decoder layers (blocks.c) on Q8_0 blocks of the family's projections — the model's
     weights replaced by the blocks' values, as a GGUF file's are — give the model's logits to float32
     rounding, on float32 and on float16 keys and values."""
-    import gguf
-
     name, tiny = family
     model = family_model(name, tiny.vocab_size, seed=3)
+    found = q8_0_blocks(model)
+    use_packed_attention(model)
+    layout = KVLayout.of(model)
+    for activations in ("float32", "q16"):  # float32 rows keep float32 keys and values; integer rows float16 ones
+        blocks = GGUFBlocks(model, tmp_path / "tiny.gguf", onednn_linear, activations, blocks=found)
+        forward = BlockPass(model, blocks)
+        tolerance = 1e-3 if activations == "float32" else NEAR_TOLERANCE  # 16-bit rows: another arithmetic, within its bound
+        assert check_packed(model, layout.with_dtype(*forward.kv_dtypes), tolerance, forward=forward) <= tolerance
+
+
+@torch.no_grad()
+def q8_0_blocks(model) -> dict:
+    """Q8_0 blocks of every linear weight of ``model``, keyed by the weight's id as ``GGUFBlocks``
+    takes them, the weights replaced by the blocks' values (as a GGUF file's are)."""
+    import gguf
+
     found = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -114,13 +128,43 @@ def test_compiled_layers_give_the_models_logits(family, tmp_path):
             blocks = tensor_blocks("Q8_0", raw)
             module.weight.copy_(blocks.dequantised())
             found[id(module.weight)] = blocks
+    return found
+
+
+@torch.inference_mode()
+def test_large_key_biases_keep_float32_keys_on_integer_rows(loaded, tmp_path):
+    """Qwen2.5's files have key biases of |145|-|158| in their first layers, so keys of |160|, which
+    float16 rounds by ~0.06 each. A Qwen2 model with such biases (12 channels of layers 0 and 1 at
+    ±150, the rest small; embedding rows of norm 0.7 as real ones) keeps float32 keys on the integer
+    pass (``KEY_BIAS_LIMIT``), float16 values: within a tenth of the float32 cache's tolerance, where
+    float16 keys are over 5 times as far; the same model without the large biases caches float16 keys."""
+    import transformers as T
+
+    config = T.Qwen2Config(hidden_size=256, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config.vocab_size = loaded.tokenizer.vocab_size
+    torch.manual_seed(5)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+        embedding = model.model.embed_tokens.weight
+        embedding.mul_(0.7 / embedding.norm(dim=-1, keepdim=True))
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.bias.normal_(0.0, 3.0)
+    found = q8_0_blocks(model)
     use_packed_attention(model)
     layout = KVLayout.of(model)
-    for activations in ("float32", "q16"):  # float32 rows keep float32 keys and values; integer rows float16 ones
-        blocks = GGUFBlocks(model, tmp_path / "tiny.gguf", onednn_linear, activations, blocks=found)
-        forward = BlockPass(model, blocks)
-        tolerance = 1e-3 if activations == "float32" else NEAR_TOLERANCE  # 16-bit rows: another arithmetic, within its bound
-        assert check_packed(model, layout.with_dtype(forward.kv_dtype), tolerance, forward=forward) <= tolerance
+    small = BlockPass(model, GGUFBlocks(model, tmp_path / "qwen2.gguf", onednn_linear, "q16", blocks=found))
+    assert small.kv_dtypes == (torch.float16, torch.float16)  # key biases below KEY_BIAS_LIMIT
+    with torch.no_grad():
+        for layer in model.model.layers[:2]:
+            bias = layer.self_attn.k_proj.bias
+            bias[torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(1))[:12]] = torch.tensor([150.0, -150.0]).repeat(6)
+    forward = BlockPass(model, GGUFBlocks(model, tmp_path / "qwen2.gguf", onednn_linear, "q16", blocks=found))
+    assert forward.kv_dtypes == (torch.float32, torch.float16)
+    chosen = check_packed(model, layout.with_dtype(*forward.kv_dtypes), NEAR_TOLERANCE, forward=forward)
+    half_keys = check_packed(model, layout.with_dtype(torch.float16), 1.0, forward=forward)
+    assert chosen < NEAR_TOLERANCE / 10 and half_keys > 5 * chosen, (chosen, half_keys)
 
 
 def test_auto_takes_the_fused_pass_as_a_candidate(family):

@@ -991,7 +991,7 @@ typedef struct {
 
 typedef struct {
     int start, stop, past, capacity; /* the sequence's new tokens [start, stop) of the pass */
-    void *kv;                        /* its block: [layers, 2, kv_heads, capacity, head_dim], float32 or float16 */
+    void *keys, *values;             /* its block's keys and values: [layers, kv_heads, capacity, head_dim] each, float32 or float16 */
 } agentspec_segment;
 
 /* 16 keys' (values') elements from a block of float32 or, with `half` (a compile-time constant at
@@ -1000,9 +1000,10 @@ INLINE v16 load_kv(const void *kv, size_t index, const int half) {
     return half ? v16_load_half((const uint16_t *)kv + index) : v16_load((const float *)kv + index);
 }
 
-/* Layer l's keys (which = 0) or values (1) of key/value head h in a sequence's block: [capacity, head_dim]. */
+/* Layer l's keys (which = 0) or values (1) of key/value head h in a sequence's block: [capacity, head_dim]
+   of float16 (`half`) or float32. */
 static inline void *kv_head(const agentspec_segment *seg, int l, int which, int h, int kv_heads, int head_dim, int half) {
-    return (char *)seg->kv + (((size_t)l * 2 + which) * kv_heads + h) * (size_t)seg->capacity * head_dim * (half ? 2 : 4);
+    return (char *)(which ? seg->values : seg->keys) + ((size_t)l * kv_heads + h) * (size_t)seg->capacity * head_dim * (half ? 2 : 4);
 }
 
 /* One token's key (value) of `head_dim` elements into slot `slot` of a head's keys (values), rounded
@@ -1072,7 +1073,7 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
    head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
    same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
    summed by v16_sums' tree, and a head's values are summed in key order. */
-INLINE void attend_chunks(const int chunks, const int half, const float *q, int queries, const void *keys, const void *values, int seen, float scaling,
+INLINE void attend_chunks(const int chunks, const int key_half, const int value_half, const float *q, int queries, const void *keys, const void *values, int seen, float scaling,
                           float softcap, float *p, size_t stride, float *out) {
     const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
     for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
@@ -1084,7 +1085,7 @@ INLINE void attend_chunks(const int chunks, const int half, const float *q, int 
                 dots[j] = v16_zero();
                 if (j < live) {
                     const size_t k = (size_t)(s0 + j) * head_dim;
-                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = v16_fmadd(query[i], load_kv(keys, k + 16 * i, half), dots[j]);
+                    UNROLL for (int i = 0; i < 8; i++) if (i < chunks) dots[j] = v16_fmadd(query[i], load_kv(keys, k + 16 * i, key_half), dots[j]);
                 }
             }
             v16 scores = v16_mul(v16_sums(dots), v16_set1(scaling));
@@ -1112,7 +1113,7 @@ INLINE void attend_chunks(const int chunks, const int half, const float *q, int 
         UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = v16_zero();
         for (int s = 0; s < seen; s++) {
             v16 v[8];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = load_kv(values, (size_t)s * head_dim + 16 * i, half);
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = load_kv(values, (size_t)s * head_dim + 16 * i, value_half);
             UNROLL for (int g = 0; g < 12; g++) {
                 if (g < group && g < n) {
                     const v16 weight = v16_set1(p[(h0 + g) * stride + s]);
@@ -1127,14 +1128,19 @@ INLINE void attend_chunks(const int chunks, const int half, const float *q, int 
     }
 }
 
-#define ATTEND_CHUNKS(HALF, CHUNKS) attend_chunks(CHUNKS, HALF, q, queries, keys, values, seen, scaling, softcap, p, stride, out);
+#define ATTEND_CHUNKS(KEY_HALF, VALUE_HALF, CHUNKS) attend_chunks(CHUNKS, KEY_HALF, VALUE_HALF, q, queries, keys, values, seen, scaling, softcap, p, stride, out);
 
-static void attend(int half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling, float softcap,
-                   float *p, size_t stride, float *out) {
-    if (half) /* head_dim <= 128 (blocks.py) */
-        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1)
+/* Keys and values each float32 or float16 (key_half, value_half: compile-time constants inside). */
+static void attend(int key_half, int value_half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling,
+                   float softcap, float *p, size_t stride, float *out) {
+    if (key_half && value_half) /* head_dim <= 128 (blocks.py) */
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1, 1)
+    else if (value_half)
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0, 1)
+    else if (key_half)
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1, 0)
     else
-        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0)
+        BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 0, 0)
 }
 
 /* GELU(gate) * up of one row, the tanh approximation as torch computes it (gelu_pytorch_tanh):
@@ -1191,7 +1197,7 @@ static void silu_times(const float *gate, const float *value, int n, float *act)
    post norm), the residual. */
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
                       int layers, const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, float scaling,
-                      float residual_scale, const agentspec_segment *segments, int nseg, int kv_half, int threads) {
+                      float residual_scale, const agentspec_segment *segments, int nseg, int key_half, int value_half, int threads) {
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     const int groups = heads / kv_heads, half = rotary_dim / 2;
     int longest = 0;
@@ -1238,9 +1244,10 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
             for (int t = seg->start; t < seg->stop; t++)
                 for (int h = 0; h < kv_heads; h++) {
                     const size_t slot = (size_t)(seg->past + t - seg->start);
-                    store_kv(kv_head(seg, l, 0, h, kv_heads, head_dim, kv_half), slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim, kv_half);
-                    store_kv(kv_head(seg, l, 1, h, kv_heads, head_dim, kv_half), slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim,
-                             head_dim, kv_half);
+                    store_kv(kv_head(seg, l, 0, h, kv_heads, head_dim, key_half), slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim,
+                             key_half);
+                    store_kv(kv_head(seg, l, 1, h, kv_heads, head_dim, value_half), slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim,
+                             head_dim, value_half);
                 }
         }
         /* causal attention: each token's query heads over its sequence's keys up to its own position,
@@ -1250,9 +1257,10 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
             const int t = job / kv_heads, kvh = job % kv_heads;
             const agentspec_segment *seg = segments + segment_of[t];
             const int seen = seg->past + (t - seg->start) + 1, first = w->window && seen > w->window ? seen - w->window : 0;
-            const size_t skip = (size_t)first * head_dim * (kv_half ? 2 : 4); /* bytes of the keys (values) before the window */
-            attend(kv_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim,
-                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, kv_half) + skip, (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, kv_half) + skip,
+            const size_t skip = (size_t)first * head_dim; /* elements of the keys (values) before the window */
+            attend(key_half, value_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim,
+                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, key_half) + skip * (key_half ? 2 : 4),
+                   (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, value_half) + skip * (value_half ? 2 : 4),
                    seen - first, scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
                    attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
         }

@@ -56,7 +56,7 @@ from .packed import Segment
 
 __all__ = [
     "GGUFBlocks", "read_blocks", "BlockPass", "BlockProduct", "Blocks", "BLOCK_TYPES", "GGUF_TYPES", "tensor_blocks", "ACTIVATIONS", "KERNEL_SOURCE", "block_kernels", "block_product",
-    "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels", "kernel_flags",
+    "blocks_unsupported", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "isa_levels", "kernel_flags", "KEY_BIAS_LIMIT",
 ]
 
 log = logging.getLogger("agentspec.engine")
@@ -86,6 +86,12 @@ GGUF_TYPES = {
 # "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
+# Keys of a pass on integer rows are cached as float32 where a layer's key bias reaches this, else
+# as float16 (values always float16 there). float16 rounds a key relative to its size: the real
+# Qwen2.5 files' key biases of |145|-|158| (layers 0-1) put keys at |160|, each ~0.06 off, and moved
+# the logits by 0.25 where float32 keys move them by 0.002 (docs/kernels.md). Without such a bias a
+# key is a normed row times the projection, and float16 keeps it to the values' error.
+KEY_BIAS_LIMIT = 16.0
 # The products on float32 rows, per block type (x, M, K, blocks grouped for few rows, for many, y, N, threads)
 _SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product", "Q8_16": "agentspec_q8_16_product", "Q8_1": "agentspec_q8_1_product"}
 # The integer products' codes (blocks.c: CODES_*), as many bytes a weight as the file's: signed bytes
@@ -178,7 +184,10 @@ class _LayerArg(ctypes.Structure):
 
 
 class _SegmentArg(ctypes.Structure):
-    _fields_ = [("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int), ("kv", ctypes.c_void_p)]
+    _fields_ = [
+        ("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int),
+        ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+    ]
 
 
 @functools.cache
@@ -269,10 +278,11 @@ def _build(name: str) -> ctypes.CDLL | str:
     # (layout, x, M, K, blocks by lanes, y, N, threads)
     kernels.agentspec_int_product.argtypes = [integer, pointer, integer, integer, pointer, pointer, integer, integer]
     kernels.agentspec_int_product.restype = None
-    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, scaling, residual_scale, segments, nseg, kv_half, threads)
+    # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, scaling, residual_scale, segments, nseg,
+    #  key_half, value_half, threads)
     kernels.agentspec_layers.argtypes = [
         pointer, *[integer] * 7, ctypes.POINTER(_LayerArg), pointer, pointer, integer, ctypes.c_float, ctypes.c_float,
-        ctypes.POINTER(_SegmentArg), integer, integer, integer,
+        ctypes.POINTER(_SegmentArg), integer, integer, integer, integer,
     ]
     kernels.agentspec_layers.restype = None
     kernels.isa = name
@@ -701,11 +711,12 @@ class BlockPass(FusedPass):
     Python. Its logits are the loaded model's to float32 rounding (``check_packed``), and
     row-invariant: each token's arithmetic reads only its own row and its sequence's keys and values.
 
-    It reads and writes key/value blocks of float32 or float16 (one dtype per pass). ``kv_dtype``
-    is the one it is meant for: float32 on float32 rows (the loaded model's arithmetic), float16 on
-    integer rows — another model's arithmetic already, and as llama.cpp stores its cache. Attention
-    streams a sequence's whole cache (or window) each token, for long contexts more bytes than the
-    weights of a small model."""
+    It reads and writes keys and values of float32 or float16 (one pair of dtypes per pass).
+    ``kv_dtypes`` (keys', values') is the pair it is meant for: float32 on float32 rows (the loaded
+    model's arithmetic); on integer rows — another model's arithmetic already — float16 values, as
+    llama.cpp stores its cache, and float16 keys unless a key bias reaches ``KEY_BIAS_LIMIT``
+    (``key_dtype``). Attention streams a sequence's whole cache (or window) each token, for long
+    contexts more bytes than the weights of a small model."""
 
     def __init__(self, model: Any, blocks: GGUFBlocks) -> None:
         reason = describe(model).compiled
@@ -730,7 +741,8 @@ class BlockPass(FusedPass):
             assert all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
         self.function = blocks.kernels.agentspec_layers
         self.isa = blocks.kernels.isa  # the kernels' instruction-set level
-        self.kv_dtype = torch.float16 if blocks.activations in INTEGER_ACTIVATIONS else torch.float32
+        integer = blocks.activations in INTEGER_ACTIVATIONS
+        self.kv_dtypes = (self.key_dtype(), torch.float16) if integer else (torch.float32, torch.float32)
         self.residual_scale = 1.0 if self.arch.residual_scale is None else self.arch.residual_scale
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -753,20 +765,31 @@ class BlockPass(FusedPass):
             )
         )
 
+    def key_dtype(self) -> torch.dtype:
+        """The keys' dtype on integer rows: float32 where a layer's key bias reaches ``KEY_BIAS_LIMIT``
+        (keys that float16 would round by more than the values), else float16."""
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        biases = [layer.qkv_bias[q_size : q_size + kv_size] for layer in self.layers if layer.qkv_bias is not None]
+        largest = max((bias.abs().max().item() for bias in biases), default=0.0)
+        return torch.float32 if largest >= KEY_BIAS_LIMIT else torch.float16
+
     def decoder_layers(self, hidden: torch.Tensor, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], segments: list[Segment]) -> torch.Tensor:
         hidden = hidden.contiguous().clone()  # written in place
         # every rotary table's angles stacked [tables, T, rotary dims], in self.ropes' order (a model with no rotary layer reads none)
         tables = [rotations[rope] for rope in self.ropes] or [(torch.zeros(hidden.shape[0], 2),) * 2]
         cos, sin = (torch.stack([table[i] for table in tables]).contiguous() for i in (0, 1))
-        dtypes = {s.block.data.dtype for s in segments}
-        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float16}:
-            raise ValueError(f"the compiled layers take key/value blocks of one dtype, float32 or float16, not {sorted(map(str, dtypes))}")
+        dtypes = {(s.block.keys.dtype, s.block.values.dtype) for s in segments}
+        if len(dtypes) != 1 or not set(next(iter(dtypes))) <= {torch.float32, torch.float16}:
+            names = sorted((str(k).removeprefix("torch."), str(v).removeprefix("torch.")) for k, v in dtypes)
+            shown = ", ".join(f"{k} keys with {v} values" for k, v in names)
+            raise ValueError(f"the compiled layers take key/value blocks of one pair of dtypes (float32 or float16 each) per pass, not {shown}")
+        key_dtype, value_dtype = next(iter(dtypes))
         args = (_SegmentArg * len(segments))(
-            *(_SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.data.data_ptr()) for s in segments)
+            *(_SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.keys.data_ptr(), s.block.values.data_ptr()) for s in segments)
         )
         self.function(
             hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim, self.intermediate,
             len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], self.scaling, self.residual_scale,
-            args, len(segments), dtypes == {torch.float16}, torch.get_num_threads(),
+            args, len(segments), key_dtype == torch.float16, value_dtype == torch.float16, torch.get_num_threads(),
         )
         return hidden

@@ -19,13 +19,15 @@ __all__ = ["KVLayout", "KVBlock"]
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of one token's keys and values in a model: layers × (key, value) × kv heads × head dim,
-    stored as ``dtype`` (the model's, or the one its target pass is meant for: ``pass_layout``)."""
+    keys stored as ``dtype`` (the model's, or the one its target pass is meant for: ``pass_layout``)
+    and values as ``value_dtype`` (None: ``dtype`` too)."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    value_dtype: torch.dtype | None = None
 
     @classmethod
     def of(cls, model: Any) -> "KVLayout":
@@ -36,13 +38,19 @@ class KVLayout:
         weight = model.get_output_embeddings().weight
         return cls(config.num_hidden_layers, kv_heads, head_dim, weight.dtype, weight.device)
 
-    def with_dtype(self, dtype: torch.dtype) -> "KVLayout":
-        """The same layout, its keys and values stored as ``dtype`` (a pass's ``kv_dtype``)."""
-        return dataclasses.replace(self, dtype=dtype)
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The keys' dtype and the values'."""
+        return self.dtype, self.value_dtype or self.dtype
+
+    def with_dtype(self, dtype: torch.dtype, value_dtype: torch.dtype | None = None) -> "KVLayout":
+        """The same layout, its keys stored as ``dtype`` and its values as ``value_dtype`` (default:
+        ``dtype``): a pass's ``kv_dtypes``."""
+        return dataclasses.replace(self, dtype=dtype, value_dtype=None if value_dtype in (None, dtype) else value_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.layers * self.kv_heads * self.head_dim * sum(torch.finfo(d).bits for d in self.dtypes) // 8
 
 
 class KVBlock:
@@ -53,20 +61,21 @@ class KVBlock:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.length = 0
-        self.data: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, head_dim]
+        self.keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim], layout.dtypes[0]
+        self.values: torch.Tensor | None = None  # the same shape, layout.dtypes[1]
 
     @property
     def capacity(self) -> int:
-        return 0 if self.data is None else self.data.shape[3]
+        return 0 if self.keys is None else self.keys.shape[2]
 
     @property
     def nbytes(self) -> int:
         """The memory this block takes: its allocation; for a view of a slot of a pool allocated once
         (``static.py``), what its tokens fill (the pool's size does not change as requests come and go)."""
-        if self.data is None:
+        if self.keys is None or self.values is None:
             return 0
-        allocated = self.data.numel() * self.data.element_size()
-        if self.data.untyped_storage().nbytes() > allocated:  # a view of a larger pool
+        allocated = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        if self.keys.untyped_storage().nbytes() > self.keys.numel() * self.keys.element_size():  # a view of a larger pool
             return self.length * self.layout.bytes_per_token
         return allocated
 
@@ -77,17 +86,18 @@ class KVBlock:
             return
         capacity = -(-needed // self.GROWTH) * self.GROWTH
         layout = self.layout
-        data = torch.empty(
-            (layout.layers, 2, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype, device=layout.device
-        )
-        if self.data is not None and self.length:
-            data[:, :, :, : self.length].copy_(self.data[:, :, :, : self.length])
-        self.data = data
+        shape = (layout.layers, layout.kv_heads, capacity, layout.head_dim)
+        keys, values = (torch.empty(shape, dtype=dtype, device=layout.device) for dtype in layout.dtypes)
+        if self.keys is not None and self.values is not None and self.length:
+            keys[:, :, : self.length].copy_(self.keys[:, :, : self.length])
+            values[:, :, : self.length].copy_(self.values[:, :, : self.length])
+        self.keys, self.values = keys, values
 
     def copy_prefix(self, source: "KVBlock", tokens: int) -> None:
         """Start with the first ``tokens`` keys/values of ``source`` (prefix reuse)."""
         self.length = 0
         self.reserve(tokens)
-        assert self.data is not None and source.data is not None
-        self.data[:, :, :, :tokens].copy_(source.data[:, :, :, :tokens])
+        assert self.keys is not None and self.values is not None and source.keys is not None and source.values is not None
+        self.keys[:, :, :tokens].copy_(source.keys[:, :, :tokens])
+        self.values[:, :, :tokens].copy_(source.values[:, :, :tokens])
         self.length = tokens

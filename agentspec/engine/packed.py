@@ -128,9 +128,9 @@ def store_kv(segments: list[Segment], layer: int, keys: torch.Tensor, values: to
     """Write a layer's new keys and values ([1, kv_heads, T, head_dim]) into each row's block."""
     for seg in segments:
         end = seg.past + seg.stop - seg.start
-        assert seg.block.data is not None
-        seg.block.data[layer, 0, :, seg.past : end] = keys[0, :, seg.start : seg.stop]
-        seg.block.data[layer, 1, :, seg.past : end] = values[0, :, seg.start : seg.stop]
+        assert seg.block.keys is not None and seg.block.values is not None
+        seg.block.keys[layer, :, seg.past : end] = keys[0, :, seg.start : seg.stop]
+        seg.block.values[layer, :, seg.past : end] = values[0, :, seg.start : seg.stop]
 
 
 def attend(
@@ -144,11 +144,10 @@ def attend(
     for seg in segments:
         new = seg.stop - seg.start
         end = seg.past + new
-        data = seg.block.data
-        assert data is not None
-        kv_heads = data.shape[2]
+        assert seg.block.keys is not None and seg.block.values is not None
+        kv_heads = seg.block.keys.shape[1]
         groups = heads // kv_heads
-        keys, values = data[layer, 0, :, :end].unsqueeze(0), data[layer, 1, :, :end].unsqueeze(0)
+        keys, values = seg.block.keys[layer, :, :end].unsqueeze(0), seg.block.values[layer, :, :end].unsqueeze(0)
         # Grouped-query attention without copying keys: the query heads sharing a kv head become rows.
         q = query[:, :, seg.start : seg.stop].reshape(1, kv_heads, groups * new, head_dim)
         mask = seg.mask

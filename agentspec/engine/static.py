@@ -70,7 +70,7 @@ def bucket(n: int, smallest: int = 1, largest: int | None = None) -> int:
 
 
 class KVPool:
-    """Keys and values of up to ``sequences`` sequences of up to ``capacity`` tokens, in one tensor
+    """Keys and values of up to ``sequences`` sequences of up to ``capacity`` tokens, in two tensors
     allocated once; each sequence's ``KVBlock`` is a view of its slot. Slot 0 is scratch."""
 
     def __init__(self, layout: KVLayout, sequences: int, capacity: int) -> None:
@@ -78,9 +78,8 @@ class KVPool:
             raise ValueError(f"a key/value pool needs at least one sequence and one token, not {sequences} × {capacity}")
         self.layout, self.capacity = layout, capacity
         # zeros, not empty: attention multiplies masked keys' values by 0, and 0 × NaN is NaN
-        self.data = torch.zeros(
-            (sequences + 1, layout.layers, 2, layout.kv_heads, capacity, layout.head_dim), dtype=layout.dtype, device=layout.device
-        )
+        shape = (sequences + 1, layout.layers, layout.kv_heads, capacity, layout.head_dim)
+        self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=layout.device) for dtype in layout.dtypes)
         self._slots: weakref.WeakKeyDictionary[KVBlock, int] = weakref.WeakKeyDictionary()
         self._owners: collections.OrderedDict[int, weakref.ref[KVBlock]] = collections.OrderedDict()  # least recent first
         self._free = list(range(sequences, 0, -1))
@@ -88,7 +87,7 @@ class KVPool:
 
     @property
     def sequences(self) -> int:
-        return self.data.shape[0] - 1
+        return self.keys.shape[0] - 1
 
     def place(self, blocks: Sequence[KVBlock], new: Sequence[int]) -> list[int]:
         """The slots of ``blocks`` for a pass writing ``new[i]`` more tokens into block i; blocks
@@ -106,16 +105,17 @@ class KVPool:
 
     def _slot(self, block: KVBlock, keep: set[int]) -> int:
         slot = self._slots.get(block)
-        if slot is not None and block.data is not None and block.data.data_ptr() == self.data[slot].data_ptr():
+        if slot is not None and block.keys is not None and block.keys.data_ptr() == self.keys[slot].data_ptr():
             self._owners.move_to_end(slot)
             return slot
         if slot is not None:  # its block was reallocated elsewhere since (a reserve past the slot)
             self._release(slot)
         slot = self._take(keep)
-        view = self.data[slot]
-        if block.data is not None and block.length:
-            view[:, :, :, : block.length].copy_(block.data[:, :, :, : block.length])
-        block.data = view
+        keys, values = self.keys[slot], self.values[slot]
+        if block.keys is not None and block.values is not None and block.length:
+            keys[:, :, : block.length].copy_(block.keys[:, :, : block.length])
+            values[:, :, : block.length].copy_(block.values[:, :, : block.length])
+        block.keys, block.values = keys, values
         self._slots[block] = slot
         self._owners[slot] = weakref.ref(block)
         return slot
@@ -128,7 +128,7 @@ class KVPool:
             for slot, owner in self._owners.items():  # the least recently used block outside the pass
                 block = owner()
                 if block is not None and id(block) not in keep:
-                    block.data = block.data.clone() if block.data is not None else None  # its own copy
+                    block.keys, block.values = (None if t is None else t.clone() for t in (block.keys, block.values))  # its own copy
                     self._slots.pop(block, None)
                     self._release(slot)
                     self.evictions += 1
@@ -308,7 +308,7 @@ class StaticPass(FusedPass):
         over every row's slot up to the key bucket, masked per row (and the layer's window)."""
         rows, width, keys = context.rows, context.positions, context.keys
         kv_heads, groups, head_dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-        stored_keys, stored_values = self.pool.data[:, layer, 0], self.pool.data[:, layer, 1]  # [slots, kv_heads, capacity, head_dim]
+        stored_keys, stored_values = self.pool.keys[:, layer], self.pool.values[:, layer]  # [slots, kv_heads, capacity, head_dim]
         stored_keys[context.write_slots, :, context.write_positions] = k
         stored_values[context.write_slots, :, context.write_positions] = v
         row_keys = stored_keys[:, :, :keys].index_select(0, context.slots)  # [B, kv_heads, keys, head_dim]

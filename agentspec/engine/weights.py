@@ -42,7 +42,8 @@ every pass, speculative decoding equals plain decoding on that pass, token for t
   from the e-mail, so it is never the default.
 - ``"gguf-q16"``: the same with the rows quantised to 16 bits per block of 32 (exact integer dot
   products: two planes of bytes with VNNI, 16-bit integers without), a 256th of gguf-q8's rounding,
-  with keys and values cached as float16 (``BlockPass.kv_dtype``, as llama.cpp caches them).
+  with values cached as float16, as llama.cpp caches them, and keys too unless the model's key
+  biases are large (``BlockPass.kv_dtypes``: Qwen2's keep float32 keys).
   The integer products take a fraction of the float multiply-adds' instructions, so a pass of several
   positions costs less, and its logits stay within ``NEAR_TOLERANCE`` of the loaded model's: not a
   visible change of model, but greedy decoding can part from float32 decoding where two tokens are
@@ -239,10 +240,10 @@ def fastest_pass_ms(forward: PassFunction, rows: list[PackedRow], repeats: int) 
 
 
 def pass_layout(layout: KVLayout, forward: PassFunction) -> KVLayout:
-    """The key/value layout an engine runs ``forward`` on: ``layout``, stored in the pass's
-    ``kv_dtype`` where it names one (``BlockPass``: float16 on integer rows)."""
-    dtype = getattr(forward, "kv_dtype", None)
-    return layout if dtype is None or dtype == layout.dtype else layout.with_dtype(dtype)
+    """The key/value layout an engine runs ``forward`` on: ``layout``, its keys and values stored in
+    the pass's ``kv_dtypes`` where it names them (``BlockPass``: float16 values on integer rows)."""
+    dtypes = getattr(forward, "kv_dtypes", None)
+    return layout if dtypes is None or dtypes == layout.dtypes else layout.with_dtype(*dtypes)
 
 
 def _pass_ms(forward: PassFunction, layout: KVLayout, positions: int, repeats: int = 3, context: int = 64) -> float:
