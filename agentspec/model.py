@@ -21,7 +21,6 @@ import io
 import logging
 import os
 import shutil
-import struct
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 
 from .chat import ChatFormat
 from .errors import ModelLoadError
+from .gguf import GGUFFile, read_gguf
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
@@ -131,45 +131,11 @@ def _sources(ref: str | Path | None) -> tuple[str, dict[str, Any]]:
     return str(ref), {"use_safetensors": True, "local_files_only": True}
 
 
-# GGUF metadata value types of fixed size (gguf's GGUFValueType): struct format by type id
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def gguf_scalars(path: Path) -> dict[str, Any]:
-    """A GGUF file's scalar and string metadata (arrays skipped), read from its header alone: the
-    tokenizer's arrays make a full parse take seconds, this takes milliseconds."""
-    with open(path, "rb") as file:
-        def read(fmt: str) -> Any:
-            size = struct.calcsize("<" + fmt)
-            return struct.unpack("<" + fmt, file.read(size))[0]
-
-        def string() -> str:
-            return file.read(read("Q")).decode("utf-8", "replace")
-
-        if file.read(4) != b"GGUF" or read("I") < 2:
-            raise ModelLoadError(f"{path} is not a GGUF file of version 2 or later.")
-        read("Q")  # tensors
-        out: dict[str, Any] = {}
-        for _ in range(read("Q")):
-            key, kind = string(), read("I")
-            if kind == _GGUF_ARRAY:
-                item, count = read("I"), read("Q")
-                if item == _GGUF_STRING:
-                    for _ in range(count):
-                        file.seek(read("Q"), os.SEEK_CUR)
-                else:
-                    file.seek(count * struct.calcsize("<" + _GGUF_SCALARS[item]), os.SEEK_CUR)
-            else:
-                out[key] = string() if kind == _GGUF_STRING else read(_GGUF_SCALARS[kind])
-        return out
-
-
-def _gguf_overrides(path: Path) -> dict[str, Any]:
+def _gguf_overrides(gguf: GGUFFile) -> dict[str, Any]:
     """Config fields transformers' GGUF reader drops, read from the file: a head size that is not
     hidden / heads (Qwen3's ``attention.key_length``)."""
-    meta = gguf_scalars(path)
-    arch = meta.get("general.architecture")
+    meta = gguf.scalars()
+    arch = gguf.architecture
     head_dim, hidden, heads = (meta.get(f"{arch}.{key}") for key in ("attention.key_length", "embedding_length", "attention.head_count"))
     return {"head_dim": head_dim} if head_dim and hidden and heads and head_dim * heads != hidden else {}
 
@@ -241,6 +207,8 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
     source, kwargs = _sources(ref)
     gguf_file = Path(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+    # checked before anything else reads it: a malformed file is a ModelLoadError naming what is wrong
+    gguf = read_gguf(gguf_file) if gguf_file is not None else None
     name = str(ref or gguf_file.name)
     snapshot = snapshot_path(gguf_file, dtype) if gguf_file is not None else None
     if snapshot is not None and (snapshot / SNAPSHOT_WEIGHTS).exists():
@@ -254,7 +222,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         # transformers' GGUF reader draws its own tqdm bar on stderr; keep start-up quiet.
         quiet = contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in kwargs else contextlib.nullcontext()
         with quiet:
-            overrides = _gguf_overrides(gguf_file) if "gguf_file" in kwargs else {}
+            overrides = _gguf_overrides(gguf) if gguf is not None and "gguf_file" in kwargs else {}
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **overrides)
     except Exception as exc:  # OSError, ValueError, KeyError/NotImplementedError for unsupported GGUFs
         hint = (

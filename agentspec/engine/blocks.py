@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..gguf import GGUFTensor, read_gguf
 from ..model import cache_dir
 from .arch import GGUF_PROJECTIONS, describe
 from .fused import FusedPass, Linear, LinearFactory, fused_unsupported
@@ -560,9 +561,9 @@ def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
     return Blocks("Q8_16", codes, scales, torch.zeros(outputs, blocks), factors, supers)
 
 
-def _read(tensor: Any) -> Blocks | None:
+def _read(tensor: GGUFTensor) -> Blocks | None:
     """A GGUF tensor's blocks (None for other types)."""
-    return tensor_blocks(tensor.tensor_type.name, np.asarray(tensor.data))
+    return tensor_blocks(tensor.type_name, tensor.data)
 
 
 def _gguf_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -594,9 +595,7 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
     """``model``'s linear weights as ``gguf_file`` stores them, by id of the loaded weight, each
     checked to dequantise to it bit for bit (``NotImplementedError`` where one does not, or where
     none has blocks). ``GGUFBlocks`` takes them, so that passes built together read the file once."""
-    import gguf
-
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    tensors = read_gguf(gguf_file).tensors
     found: dict[int, Blocks] = {}
     for name, weight, heads in _gguf_names(model):
         tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
