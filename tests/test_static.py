@@ -98,13 +98,13 @@ def test_blocks_keep_their_address_and_take_turns_in_a_small_pool(model):
         blocks = [KVBlock(layout) for _ in range(3)]
         for i, block in enumerate(blocks):
             forward([PackedRow(block, _tokens(200 + i, 10 + i), 1)])
-        address = blocks[0].data.data_ptr()
+        address = blocks[0].keys.data_ptr()
         steps = []
         for step in range(4):  # each block in turn, beside another; the first grows past 256 tokens
             first, second = blocks[step % 3], blocks[(step + 1) % 3]
             steps += forward([PackedRow(first, _tokens(30, step), 1), PackedRow(second, [7 + step], 1)])
         if name == "roomy":
-            assert blocks[0].data.data_ptr() == address and blocks[0].length > KVBlock.GROWTH
+            assert blocks[0].keys.data_ptr() == address and blocks[0].length > KVBlock.GROWTH
             # admission control counts a pooled block by its tokens: the pool does not grow with requests
             assert blocks[0].nbytes == blocks[0].length * layout.bytes_per_token
         results[name] = steps
