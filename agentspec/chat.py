@@ -135,12 +135,20 @@ class ChatFormat:
 
     ``tool_format``: the tool-call syntax the template shows (None: agentspec's own section and bare
     JSON calls), checked by rendering a probe tool through the template.
+
+    ``add_bos``: whether a prompt starts with the BOS token (a GGUF file's
+    ``tokenizer.ggml.add_bos_token``; default the tokenizer's ``add_bos_token``). Where it does and the
+    template does not write BOS itself (or there is no template), ``encode`` puts it first, as
+    llama.cpp does: a base model without its BOS answers another text (Gemma 3 270M wrote digits).
     """
 
     PROBE_TOOL = "agentspec_probe_tool"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, add_bos: bool | None = None) -> None:
         self.tokenizer = tokenizer
+        bos = getattr(tokenizer, "bos_token_id", None)
+        wanted = getattr(tokenizer, "add_bos_token", False) is True if add_bos is None else add_bos
+        self.bos_id: int | None = bos if wanted and isinstance(bos, int) else None  # the id every prompt starts with, if any
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.system_role = self.has_template and self._supports_system_role()
         self.tool_format = self._detect_tool_format() if self.has_template else None
@@ -192,9 +200,13 @@ class ChatFormat:
             raise InvalidRequestError(f"The model's chat template rejected these messages: {exc}") from exc
 
     def encode(self, messages: Any, tools: Sequence[ToolSpec] = ()) -> list[int]:
-        """Token ids of the prompt, with ``tools`` described to the model. Text inside messages never
-        becomes a special token: a message that contains ``<|im_start|>`` and the like cannot open a
-        role of its own (prompt injection)."""
+        """Token ids of the prompt, with ``tools`` described to the model, starting with BOS where the
+        model wants it (``add_bos``). Text inside messages never becomes a special token: a message
+        that contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection)."""
+        ids = self._encode(messages, tools)
+        return [self.bos_id, *ids] if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
+
+    def _encode(self, messages: Any, tools: Sequence[ToolSpec]) -> list[int]:
         normal, listing = self._prepare(messages, tools)
         structures = json.dumps([listing, [m.get("tool_calls") for m in normal]], ensure_ascii=False)
         if any(marker in structures for marker in self._markers):

@@ -254,7 +254,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         context_window=window,
         stop_token_ids=_stop_token_ids(model, tokenizer),
         token_bytes=token_bytes_table(tokenizer, vocab_size),
-        chat=ChatFormat(tokenizer),
+        chat=ChatFormat(tokenizer, None if gguf is None else gguf.metadata.get("tokenizer.ggml.add_bos_token")),
         gguf_file=gguf_file,
     )
 

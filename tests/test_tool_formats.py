@@ -472,3 +472,29 @@ def test_call_text_gives_the_same_events_under_any_chunking(family):
 
 
 FAMILIES_FORMATS = [detect_format(template) for template in FAMILIES.values()]
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_a_prompt_starts_with_bos_where_the_model_wants_it(families, loaded, add_bos):
+    """With ``add_bos`` (a GGUF file's ``tokenizer.ggml.add_bos_token``) every prompt starts with
+    exactly one BOS: put first where the template does not write it (or there is no template), not
+    doubled where it does (Llama 3.1's and Mistral's write ``bos_token``). Without it the prompt is
+    the template's text alone, as for the default model, whose file says false."""
+    bos = loaded.tokenizer.bos_token_id
+    messages = [{"role": "user", "content": "Hi"}]
+    bare = copy.deepcopy(loaded.tokenizer)
+    bare.chat_template = None
+    tokenizers = {family: model.tokenizer for family, model in families.items()} | {"no template": bare}
+    writes_bos = set()
+    for family, tokenizer in tokenizers.items():
+        plain = ChatFormat(tokenizer, add_bos=False).encode(messages)
+        if plain[:1] == [bos]:
+            writes_bos.add(family)
+        ids = ChatFormat(tokenizer, add_bos=add_bos).encode(messages)
+        if add_bos:
+            assert ids[0] == bos and ids[1:2] != [bos], family
+            assert ids == (plain if family in writes_bos else [bos, *plain]), family
+        else:
+            assert ids == plain, family
+    assert writes_bos and "no template" not in writes_bos and len(writes_bos) < len(tokenizers)
+    assert loaded.chat.bos_id is None  # the default model's file says add_bos_token false (its BOS, <|im_start|>, the template writes)
