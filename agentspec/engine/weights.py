@@ -24,9 +24,12 @@ The candidates (``CANDIDATES``):
   for the whole pass, CUDA graphs per pass shape (``static.py``). A GPU pass: ``"auto"`` considers
   it on CUDA only; on a CPU it runs (eagerly) when asked for by name.
 
-``select_weights(..., "auto")`` builds those that can run here, keeps those whose logits agree with
-the model's (float32 rounding; gguf-q16 within ``NEAR_TOLERANCE``), times each on 1- and 8-position
-passes, and keeps the fastest. ``SelectedWeights.reason`` records the timings it chose by.
+``select_weights(..., "auto")`` on a GGUF file where the block kernels run takes a pass by rule
+(``GGUF_RULE``: gguf-q16, else gguf — the first that runs and agrees with the model) and builds
+nothing else, so the same file on the same CPU gets the same pass and the same text on every run.
+Elsewhere it builds those that can run here, keeps those whose logits agree with the model's
+(float32 rounding; gguf-q16 within ``NEAR_TOLERANCE``), times each on 1- and 8-position passes, and
+keeps the fastest. ``SelectedWeights.reason`` records the rule or the timings it chose by.
 
 Reduced precision (``REDUCED``): another model's logits. Asked for by name, but for gguf-q16. On
 every pass, speculative decoding equals plain decoding on that pass, token for token
@@ -78,7 +81,7 @@ from .static import StaticPass
 __all__ = [
     "WEIGHTS", "CANDIDATES", "GPU_CANDIDATES", "REDUCED", "NEAR", "NEAR_TOLERANCE", "GGUF_ACTIVATIONS", "SelectedWeights",
     "OneDNNLinear", "onednn_supported", "bf16_supported", "with_onednn_linears", "onednn_linear", "torch_linear", "select_weights",
-    "fastest_pass_ms", "pass_layout",
+    "fastest_pass_ms", "pass_layout", "GGUF_RULE",
 ]
 
 log = logging.getLogger("agentspec.engine")
@@ -298,10 +301,15 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     if requested != "auto":
         forward = _build(model, requested, gguf_file)
         return SelectedWeights(requested, forward, "requested", {}, _tolerance(requested), getattr(forward, "isa", None))
-    candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     left_out: list[str] = []
     read = functools.cache(lambda: read_blocks(model, gguf_file))  # once for "gguf" and "gguf-q16"
+    by_rule = _gguf_by_rule(model, layout, gguf_file, read, left_out)
+    if by_rule is not None:
+        return by_rule
+    candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     for name in CANDIDATES[1:]:
+        if name in GGUF_RULE and any(reason.startswith(f"{name}:") for reason in left_out):
+            continue  # the rule tried it already
         if name in GPU_CANDIDATES and layout.device.type != "cuda":
             left_out.append(f"{name}: a GPU pass (on a CPU it computes its padding; ask for it by name)")
             continue
@@ -321,6 +329,36 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     isa = getattr(candidates[best], "isa", None)
     log.info("target pass: %s%s (%s)", best, f" on {isa} kernels" if isa else "", reason)
     return SelectedWeights(best, candidates[best], reason, timings, _tolerance(best), isa)
+
+
+# A GGUF file on a CPU with kernels: the first of these that runs and passes its check, by rule
+GGUF_RULE = ("gguf-q16", "gguf")
+
+
+def _gguf_by_rule(
+    model: Any, layout: KVLayout, gguf_file: Path | None, read: Callable[[], dict[int, Blocks]], left_out: list[str]
+) -> SelectedWeights | None:
+    """"auto" on a GGUF file where the block kernels run: the first pass of ``GGUF_RULE`` that builds
+    and agrees with the model (``check_packed``), chosen by rule, not by timing — the same file on
+    the same CPU takes the same pass, and so gives the same text, on every run (gguf and gguf-q16
+    differ where two tokens nearly tie) — and the only pass built. None where neither runs (their
+    reasons added to ``left_out``): then the other candidates are timed."""
+    if gguf_file is None or blocks_unsupported(model, gguf_file, GGUF_ACTIVATIONS[GGUF_RULE[-1]]) is not None:
+        return None
+    for name in GGUF_RULE:
+        try:
+            forward = _build(model, name, gguf_file, read)
+            check_packed(model, pass_layout(layout, forward), _tolerance(name), forward=forward)
+        except NotImplementedError as exc:
+            left_out.append(f"{name}: {exc}")
+            continue
+        isa = getattr(forward, "isa", None)
+        reason = f"a GGUF file on {isa} kernels takes the first of {', '.join(GGUF_RULE)} that runs here"
+        if left_out:
+            reason += f"; not {'; '.join(left_out)}"
+        log.info("target pass: %s on %s kernels (%s)", name, isa, reason)
+        return SelectedWeights(name, forward, reason, {}, _tolerance(name), isa)
+    return None
 
 
 def _tolerance(name: str) -> float | None:
