@@ -12,7 +12,7 @@ from typing import Any
 
 from .bench.workloads import WORKLOADS
 from .client import Client
-from .engine.weights import WEIGHTS
+from .passes.weights import WEIGHTS
 from .errors import AgentSpecError
 from .types import Done, Limits, TextDelta
 

@@ -30,7 +30,7 @@ from .engine import Engine
 from .errors import ClientClosedError, EngineError, InvalidRequestError, UnsupportedFeatureError
 from .model import DTYPES, LoadedModel
 from .params import GenerationParams, parse_params
-from .engine.weights import WEIGHTS
+from .passes.weights import WEIGHTS
 from .structured.tools import CallAssembler, ToolCallParser
 from .types import Completion, Done, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 

@@ -11,7 +11,7 @@ import torch
 import agentspec
 from agentspec.engine import Engine, Sequence
 from agentspec.engine.lengths import CostModel
-from agentspec.engine.weights import REDUCED
+from agentspec.passes.weights import REDUCED
 from agentspec.model import LoadedModel, load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig

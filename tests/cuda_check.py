@@ -9,7 +9,7 @@ Not a pytest module (CI has no GPU). It runs the same engine code as on CPU with
    capture failures;
 3. single-stream speed against transformers' generate (plain and prompt lookup), same process;
 4. aggregate throughput, TTFT and TPOT at several concurrency levels, and second-turn TTFT;
-5. every model family of ``engine/arch.py`` (tests/test_families.py's tiny random models, every
+5. every model family of ``passes/arch.py`` (tests/test_families.py's tiny random models, every
    switch on) on the static pass in bf16 and fp32: checked against the model's own forward at start,
    greedy speculative == plain, graphs captured.
 Results are printed and written to ``DIR/cuda_check.json`` after each part (a timeout keeps what ran).
@@ -32,8 +32,8 @@ import agentspec
 from agentspec.bench import WORKLOADS, run_bench, run_concurrency, second_turn_ttft, workload
 from agentspec.engine import Engine, Sequence
 from agentspec.engine.kv import KVBlock, KVLayout
-from agentspec.engine.packed import PackedRow
-from agentspec.engine.weights import fastest_pass_ms, select_weights
+from agentspec.passes.packed import PackedRow
+from agentspec.passes.weights import fastest_pass_ms, select_weights
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
@@ -124,10 +124,10 @@ def static_pass(model: str | None, device: str, dtype: str, shapes: list[tuple[i
 
 
 def families(device: str, dtype: str, max_tokens: int) -> dict:
-    """Each family of ``engine/arch.py`` as a tiny random model (tests/test_families.py) on the static
+    """Each family of ``passes/arch.py`` as a tiny random model (tests/test_families.py) on the static
     pass: the engine's start-up check against the model's own forward, then greedy speculative ==
     plain; an error is reported per family, not raised."""
-    from agentspec.engine.arch import FAMILIES
+    from agentspec.passes.arch import FAMILIES
 
     from .test_families import family_model
 

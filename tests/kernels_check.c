@@ -1,4 +1,4 @@
-/* A check of agentspec/engine/blocks.c on one instruction-set level, linked with it, with no Python:
+/* A check of agentspec/passes/blocks.c on one instruction-set level, linked with it, with no Python:
    how the kernels are tested where only an emulator runs them (ARM NEON under qemu-user on an x86
    machine: tests/test_blocks.py builds this for every level and compares what each prints).
 

@@ -22,7 +22,7 @@ from agentspec.bench import (
 from agentspec.bench.llamacpp import LLAMACPP_SYSTEMS, unavailable
 from agentspec.bench.single import _agent_loop
 from agentspec.engine.lengths import CostModel
-from agentspec.engine.weights import REDUCED
+from agentspec.passes.weights import REDUCED
 from agentspec.types import SpecConfig
 
 # Installed or not, llama.cpp's rows are tested on their own (test_llamacpp_rows): its own kernels on

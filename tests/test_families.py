@@ -1,4 +1,4 @@
-"""Model families on agentspec's own passes (``engine/arch.py``): for each family a tiny random model
+"""Model families on agentspec's own passes (``passes/arch.py``): for each family a tiny random model
 built in-process from its config — every switch its block has turned on (biases, q/k norms, windows
 shorter than the test's texts, soft-caps, partial rotary, layers without rotary, multipliers) and
 every weight, norms included, perturbed so no switch hides behind an identity. The fused and static
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.arch import FAMILIES, GGUF_PROJECTIONS, describe
-from agentspec.engine.blocks import BlockPass, GGUFBlocks, tensor_blocks
-from agentspec.engine.fused import FusedPass
+from agentspec.passes.arch import FAMILIES, GGUF_PROJECTIONS, describe
+from agentspec.passes.blocks import BlockPass, GGUFBlocks, tensor_blocks
+from agentspec.passes.fused import FusedPass
 from agentspec.engine.kv import KVLayout
-from agentspec.engine.packed import check_packed, use_packed_attention
-from agentspec.engine.static import StaticPass
-from agentspec.engine.weights import NEAR_TOLERANCE, onednn_linear, select_weights
+from agentspec.passes.packed import check_packed, use_packed_attention
+from agentspec.passes.static import StaticPass
+from agentspec.passes.weights import NEAR_TOLERANCE, onednn_linear, select_weights
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.engine.blocks import GGUF_TYPES, BlockPass, IntegerLayout, blocks_unsupported, read_blocks
+from agentspec.passes.blocks import GGUF_TYPES, BlockPass, IntegerLayout, blocks_unsupported, read_blocks
 from agentspec.engine.kv import KVLayout
-from agentspec.engine.packed import check_packed, use_packed_attention
-from agentspec.engine.weights import NEAR_TOLERANCE, pass_layout, select_weights
+from agentspec.passes.packed import check_packed, use_packed_attention
+from agentspec.passes.weights import NEAR_TOLERANCE, pass_layout, select_weights
 from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig

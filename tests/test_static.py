@@ -1,4 +1,4 @@
-"""The GPU pass (``weights="static"``, ``agentspec/engine/static.py``) on the CPU, where it runs the
+"""The GPU pass (``weights="static"``, ``agentspec/passes/static.py``) on the CPU, where it runs the
 same code eagerly: its key/value pool, its grid of rows × positions, its one attention call per layer.
 The default model's identity checks (a token's logits whatever its pass, speculative == plain) run
 it in ``tests/test_weights.py``; ``tests/cuda_check.py`` runs it with CUDA graphs on a GPU."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentspec.engine.fused import FusedPass
+from agentspec.passes.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
-from agentspec.engine.packed import PackedRow, check_packed
-from agentspec.engine.static import KEY_BUCKET, KVPool, StaticPass, bucket
-from agentspec.engine.weights import onednn_linear
+from agentspec.passes.packed import PackedRow, check_packed
+from agentspec.passes.static import KEY_BUCKET, KVPool, StaticPass, bucket
+from agentspec.passes.weights import onednn_linear
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The target pass's linear kernels (``agentspec.engine.weights``): oneDNN-packed weights are
+"""The target pass's linear kernels (``agentspec.passes.weights``): oneDNN-packed weights are
 row-invariant and agree with the model's own layers; the choice is measured, cached and explained;
 the loaded model stays untouched; and greedy speculative == plain with either kernels."""
 
@@ -13,11 +13,11 @@ from torch import nn
 
 import agentspec
 from agentspec.engine import Engine
-from agentspec.engine.blocks import blocks_unsupported
-from agentspec.engine.fused import FusedPass, fused_unsupported
+from agentspec.passes.blocks import blocks_unsupported
+from agentspec.passes.fused import FusedPass, fused_unsupported
 from agentspec.engine.kv import KVBlock, KVLayout
-from agentspec.engine.packed import PackedRow, check_packed, forward_packed, use_packed_attention
-from agentspec.engine.weights import (
+from agentspec.passes.packed import PackedRow, check_packed, forward_packed, use_packed_attention
+from agentspec.passes.weights import (
     CANDIDATES,
     GGUF_ACTIVATIONS,
     GGUF_RULE,

@@ -30,7 +30,7 @@ import torch
 from ..client import Client
 from ..drafting import NgramIndex
 from ..drafting.base import common_prefix
-from ..engine.weights import REDUCED
+from ..passes.weights import REDUCED
 from ..metrics import sum_stats
 from ..params import parse_params
 from ..structured.tools import with_tool_prompt

@@ -4,9 +4,10 @@
 - ``sequence.py`` one request's data (``Sequence``) and engine-side state: drafting, commit, stops, stats
 - ``lengths.py``  how many draft tokens a pass verifies: measured pass costs and acceptance
 - ``verify.py``   verification as pure functions over a pass's flattened rows
-- ``kv.py``       keys/values per sequence; ``packed.py`` the packed multi-sequence target pass
-- ``weights.py``  which target pass runs (transformers' modules, oneDNN-packed, or ``fused.py``), measured
+- ``kv.py``       keys/values per sequence
 - ``prefix.py``   prefix reuse across requests
+
+The target passes it runs, and the choice among them, are ``agentspec.passes``.
 """
 
 from .engine import Engine, Kind, Plan

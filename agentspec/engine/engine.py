@@ -44,13 +44,13 @@ from ..drafting.grammar import Spellings
 from ..errors import ModelLoadError
 from ..model import LoadedModel
 from ..params import GenerationParams
+from ..passes.packed import PackedRow, check_packed, use_packed_attention
+from ..passes.weights import fastest_pass_ms, pass_layout, select_weights
 from .kv import KVBlock, KVLayout
 from .lengths import CostModel, RowBudget, choose_lengths
-from .packed import PackedRow, check_packed, use_packed_attention
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
 from .verify import flatten, verify_greedy, verify_sampling
-from .weights import fastest_pass_ms, pass_layout, select_weights
 
 __all__ = ["Engine", "Kind", "Plan"]
 

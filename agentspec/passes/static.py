@@ -44,9 +44,9 @@ from typing import Any, Sequence
 
 import torch
 
+from ..engine.kv import KVBlock, KVLayout
 from .arch import LayerSpec
 from .fused import FusedPass, LinearFactory
-from .kv import KVBlock, KVLayout
 from .packed import PackedRow, finish_rows, sdpa, wants_features
 
 __all__ = ["KVPool", "StaticPass", "GRAPH_POSITIONS", "KEY_BUCKET", "bucket"]

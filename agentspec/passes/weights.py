@@ -72,9 +72,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.kv import KVBlock, KVLayout
 from .blocks import Blocks, BlockPass, GGUFBlocks, blocks_unsupported, read_blocks
 from .fused import FusedPass, fused_unsupported
-from .kv import KVBlock, KVLayout
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
 from .static import StaticPass
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .kv import KVBlock, KVLayout
+from ..engine.kv import KVBlock, KVLayout
 
 __all__ = [
     "PackedRow", "PackedInputs", "Segment", "pack_rows", "finish_rows", "wants_features", "store_kv", "attend",
