@@ -257,13 +257,18 @@ def test_default_engine_states_its_weights(engine):
     """The session's engine says why it runs its pass. On the default model's GGUF file where the
     block kernels run, "auto" takes the pass ``GGUF_RULE`` gives (gguf-q16 first), by rule: nothing
     is timed and nothing else built, so every run on this CPU takes the same pass and writes the same
-    text. Without kernels it times the candidates and keeps the fastest."""
+    text; the engine does not check it against the model's own forward at start-up (that would read
+    every float32 weight), this test does. Without kernels it times the candidates and keeps the
+    fastest."""
     chosen, loaded = engine.weights, engine.loaded
     assert chosen.name in CANDIDATES and engine.forward is chosen.forward
     if _unsupported("gguf", loaded) is None:
         expected = next(name for name in GGUF_RULE if _unsupported(name, loaded) is None)
-        assert chosen.name == expected and chosen.timings_ms == {}, chosen.reason
+        assert chosen.name == expected and chosen.timings_ms == {} and not chosen.check_at_start, chosen.reason
         assert f"a GGUF file on {chosen.isa} kernels takes the first of gguf-q16, gguf" in chosen.reason
+        # the check an engine on a rule's pass leaves to the tests: within the pass's tolerance of the model
+        layout = engine.layout
+        assert check_packed(loaded.model, layout, chosen.tolerance, forward=chosen.forward) <= (chosen.tolerance or 1e-3)
     else:
         assert "eager" in chosen.timings_ms and "fused" in chosen.timings_ms  # the default model is a Llama
         if onednn_supported(loaded.model) is None:

@@ -160,8 +160,9 @@ class Engine:
 
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False) -> None:
-        """Check the packed attention against the model's own, then measure every pass shape (which
-        also warms the kernels up). The fastest of ``repeats`` runs is kept: interference from other
+        """Check the packed attention against the model's own (where the pass asks for it:
+        ``SelectedWeights.check_at_start``), then measure every pass shape (which also warms the
+        kernels up). The fastest of ``repeats`` runs is kept: interference from other
         processes only adds time.
 
         reuse: where an engine of this process already calibrated the same model, pass and shapes,
@@ -176,7 +177,8 @@ class Engine:
                 self.costs.copy_from(earlier)
                 return
         try:
-            check_packed(self.model, self.layout, self.weights.tolerance, forward=self.forward)
+            if self.weights.check_at_start:
+                check_packed(self.model, self.layout, self.weights.tolerance, forward=self.forward)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{self.loaded.name}: this architecture's attention is not supported by agentspec's batched passes ({exc})."

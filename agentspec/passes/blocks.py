@@ -591,10 +591,21 @@ def _unpermuted(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(order)
 
 
+def _agrees(blocks: Blocks, weight: torch.Tensor) -> bool:
+    """Whether ``blocks`` dequantise to ``weight`` bit for bit on a few rows spread over it — the
+    first four (they tell the rotary halves' interleaving apart), the middle and the last ones — so
+    that the check reads a few pages of a loaded weight, not all of it (a snapshot's weights are
+    mapped: a pass on the blocks never reads them)."""
+    outputs = weight.shape[0]
+    rows = torch.unique(torch.tensor([0, 1, 2, 3, outputs // 3, outputs // 2, outputs - 2, outputs - 1]).clamp(0, outputs - 1))
+    return blocks.shape == tuple(weight.shape) and torch.equal(blocks.rows(rows).dequantised(), weight.detach()[rows])
+
+
 def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
     """``model``'s linear weights as ``gguf_file`` stores them, by id of the loaded weight, each
-    checked to dequantise to it bit for bit (``NotImplementedError`` where one does not, or where
-    none has blocks). ``GGUFBlocks`` takes them, so that passes built together read the file once."""
+    checked to dequantise to it bit for bit on a sample of rows (``_agrees``; ``NotImplementedError``
+    where one does not, or where none has blocks). ``GGUFBlocks`` takes them, so that passes built
+    together read the file once."""
     tensors = read_gguf(gguf_file).tensors
     found: dict[int, Blocks] = {}
     for name, weight, heads in _gguf_names(model):
@@ -606,7 +617,7 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
             continue  # float or another block type: oneDNN takes this weight
         with torch.no_grad():
             candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
-            match = next((b for b in candidates if b.shape == tuple(weight.shape) and torch.equal(b.dequantised(), weight.detach())), None)
+            match = next((b for b in candidates if _agrees(b, weight)), None)
         if match is None:
             raise NotImplementedError(f"{gguf_file.name}'s {name} does not dequantise to the loaded weight")
         found[id(weight)] = match
