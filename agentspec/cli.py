@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=text)
         command.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
         command.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-        command.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass's linear kernels (auto: the fastest measured here)")
+        command.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass (auto: on a GGUF file with kernels for this CPU gguf-q16 by rule, else the fastest measured here)")
     sub.choices["chat"].add_argument("--max-tokens", type=int, default=256)
     bench = sub.choices["bench"]
     bench.add_argument("--workloads", default="", help=f"comma-separated subset of: {', '.join(w.name for w in WORKLOADS)}")
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N), head:DIR, or none (default: the shipped head, if any)")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     serve.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    serve.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass's linear kernels (auto: the fastest measured here)")
+    serve.add_argument("--weights", default="auto", choices=WEIGHTS, help="the target pass (auto: on a GGUF file with kernels for this CPU gguf-q16 by rule, else the fastest measured here)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (the ready line names it)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $AGENTSPEC_API_KEY)")

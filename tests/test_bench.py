@@ -20,6 +20,7 @@ from agentspec.bench import (
     workload,
 )
 from agentspec.bench.llamacpp import LLAMACPP_SYSTEMS, unavailable
+from agentspec.bench.passes import PassReport, read_bandwidth, weight_bytes
 from agentspec.bench.single import _agent_loop
 from agentspec.engine.lengths import CostModel
 from agentspec.passes.weights import REDUCED
@@ -197,6 +198,7 @@ def test_bench_command_writes_table_json_and_chart(tmp_path, capsys):
                  "--json", str(rows_path), "--plot", str(chart)])
     captured = capsys.readouterr()
     assert code == 0 and "extraction" in captured.out and "×outlines" in captured.out and "×llama" in captured.out
+    assert "pass of 1 position " in captured.out and "of 8 positions" in captured.out and "this machine reads" in captured.out
     rows = json.loads(rows_path.read_text())
     llama = ["llamacpp"] if importlib.util.find_spec("llama_cpp") else []  # else the command says why (make bench installs it)
     assert [r["system"] for r in rows] == ["agentspec_plain", *llama, "agentspec"]
@@ -242,3 +244,27 @@ async def test_llamacpp_rows(client):
     work = workload("extraction")  # the grammar holds: a complete object with the schema's keys
     text, tokens = await client.run_on_worker(lambda: llamacpp_generate(client, "llamacpp", work, 96))
     assert set(json.loads(text)) >= set(work.params["response_format"]["json_schema"]["schema"]["required"]), text
+
+
+def test_the_pass_report_counts_the_weights_a_token_reads(engine):
+    """``agentspec bench`` reports a token's weights as the kernels stream them — every decoder
+    product's blocks and the LM head's: about the default model's file (the Q4_1 blocks in 4 bits
+    with float16 scales and minimums, the float32 norms and embedding rows not counted) — and the
+    bandwidth a one-position pass reaches against the machine's own reading; a pass whose weights
+    are not all on the file's blocks is not counted."""
+    from agentspec.passes.fused import FusedPass
+    from agentspec.passes.weights import onednn_linear
+
+    counted = weight_bytes(engine.forward)
+    if engine.weights.isa is None:
+        assert counted is None
+    else:
+        size = engine.loaded.gguf_file.stat().st_size
+        assert 0.5 * size < counted < 1.25 * size, (counted, size)
+    assert weight_bytes(FusedPass(engine.loaded.model, onednn_linear)) is None
+    bandwidth = read_bandwidth()
+    assert bandwidth > 1e8  # bytes/s: a machine reads more than 100 MB/s
+    report = PassReport("gguf-q16", "by rule", "avx2", {1: 4.0, 8: 8.0}, 2**27, 4e10, 2)
+    first, times, streamed = report.lines()
+    assert first == "pass gguf-q16 on avx2 kernels: by rule" and "(2.00x)" in times
+    assert "128 MiB: 1 position streams them at 33.6 GB/s, 84% of what this machine reads 40.0 GB/s" in streamed

@@ -1,7 +1,8 @@
 """``agentspec bench``: agentspec against its peers, in one process, on the same model and prompts.
 
 The command's entry point behind ``agentspec bench`` (the flags are parsed by ``agentspec.cli``):
-``main`` runs the single-stream rows (``single.py``) and prints their table, the n-gram oracle bound
+``main`` prints the target pass's numbers (``passes.py``), runs the single-stream rows
+(``single.py``) and prints their table, the n-gram oracle bound
 and the suffix cache's gain; with ``--concurrency`` it runs the load rows (``load.py``) instead.
 ``--json`` writes the rows, ``--plot`` the chart (``plot.py``).
 """
@@ -16,11 +17,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+import anyio
+
 from ..client import Client
 from .llamacpp import LLAMACPP_SYSTEMS
 from .llamacpp import unavailable as llamacpp_unavailable
 from ..types import SpecConfig
 from .load import format_load_table, run_concurrency, second_turn_ttft
+from .passes import pass_report
 from .plot import write_bench_plot, write_load_plot
 from .remote import REMOTE_SOURCES, format_remote_table, run_remote_bench
 from .single import format_table, ngram_oracle_speedup, run_bench, suffix_gain
@@ -64,6 +68,8 @@ async def main(args: Any) -> int:
         raise SystemExit(str(exc)) from None
     async with Client(args.model, device=args.device, draft=args.draft, weights=args.weights) as client:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
+        report = await anyio.to_thread.run_sync(pass_report, client)
+        print("\n".join(report.lines()), flush=True)
         if args.base_url:
             return await _remote_main(client, args, selected)
         if args.concurrency:

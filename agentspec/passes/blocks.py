@@ -689,6 +689,11 @@ class BlockProduct:
             self.function = getattr(kernels, _SYMBOLS[blocks.kind])
         self.outputs, self.inputs = blocks.shape
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product of one row streams: its blocks as the kernels read them (``few``)."""
+        return self.few.nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         inputs, outputs = self.inputs, self.outputs
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != inputs:

@@ -358,7 +358,7 @@ def _gguf_by_rule(
             left_out.append(f"{name}: {exc}")
             continue
         isa = getattr(forward, "isa", None)
-        reason = f"a GGUF file on {isa} kernels takes the first of {', '.join(GGUF_RULE)} that runs here"
+        reason = f"a GGUF file on {isa} kernels takes the first of {', '.join(GGUF_RULE)} that builds here"
         if left_out:
             reason += f"; not {'; '.join(left_out)}"
         log.info("target pass: %s on %s kernels (%s)", name, isa, reason)
