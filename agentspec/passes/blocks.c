@@ -1065,22 +1065,31 @@ static void rms_norm(const float *x, int rows, int H, const float *weight, float
     }
 }
 
-/* Causal attention of one token's `queries` query heads (consecutive at q, head_dim apart) that
-   share one key/value head, over its first `seen` keys and values ([seen, head_dim] each): softmax of
-   the scaled scores, times the values, into out (the heads side by side). `chunks` = head_dim / 16,
-   a compile-time constant at each call site (attend), so a query and the sums live in registers.
-   The keys and values are read once for all the heads: 16 keys at a time, reused from cache by each
-   head's scores; each value once for up to 12 / chunks heads' sums. Every head's arithmetic is the
-   same whatever shares the chunk, the job or the pass: a key's score is one 16-lane accumulation
-   summed by v16_sums' tree, and a head's values are summed in key order. */
-INLINE void attend_chunks(const int chunks, const int key_half, const int value_half, const float *q, int queries, const void *keys, const void *values, int seen, float scaling,
-                          float softcap, float *p, size_t stride, float *out) {
-    const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1;
-    for (int s0 = 0; s0 < seen; s0 += 16) { /* scores */
-        const int live = seen - s0 < 16 ? seen - s0 : 16;
+/* Causal attention of a run of `tokens` consecutive tokens of one sequence, each with `groups` query
+   heads (token t's at q + t * q_stride, head_dim apart) that share one key/value head: token t over
+   the first seen[t] keys and values ([seen, head_dim] each); softmax of the scaled scores, times the
+   values, into out + t * out_stride (the heads side by side). `chunks` = head_dim / 16, a
+   compile-time constant at each call site (attend), so a query and the sums live in registers.
+   The keys and values are read once for all the run's queries: 16 keys at a time, reused from cache
+   by each query's scores; each value once for up to 12 / chunks queries' sums — a verification's
+   tokens share the reads of their sequence's cache instead of streaming it once each. Every query's
+   arithmetic is the same whatever shares the run, the job or the pass: a key's score is one 16-lane
+   accumulation summed by v16_sums' tree, over that query's own keys, and its values are summed in
+   key order up to its own `seen`. */
+INLINE void attend_chunks(const int chunks, const int key_half, const int value_half, const float *q, size_t q_stride, int groups, int tokens,
+                          const int *seen, const void *keys, const void *values, float scaling, float softcap, float *p, size_t stride, float *out,
+                          size_t out_stride) {
+    const int head_dim = 16 * chunks, group = chunks <= 4 ? 12 / chunks : 1, queries = groups * tokens;
+    int longest = 0;
+    for (int t = 0; t < tokens; t++) longest = seen[t] > longest ? seen[t] : longest;
+    for (int s0 = 0; s0 < longest; s0 += 16) { /* scores: each 16 keys for every query that sees them */
         for (int h = 0; h < queries; h++) {
+            const int saw = seen[h / groups];
+            if (s0 >= saw) continue;
+            const int live = saw - s0 < 16 ? saw - s0 : 16;
+            const float *qh = q + (size_t)(h / groups) * q_stride + (size_t)(h % groups) * head_dim;
             v16 query[8], dots[16];
-            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = v16_load(q + (size_t)h * head_dim + 16 * i);
+            UNROLL for (int i = 0; i < 8; i++) if (i < chunks) query[i] = v16_load(qh + 16 * i);
             UNROLL for (int j = 0; j < 16; j++) {
                 dots[j] = v16_zero();
                 if (j < live) {
@@ -1097,42 +1106,51 @@ INLINE void attend_chunks(const int chunks, const int key_half, const int value_
     float total[queries];
     for (int h = 0; h < queries; h++) { /* softmax numerators and their sum, 16 scores at a time (the last chunk's tail left out) */
         float *ph = p + h * stride;
+        const int saw = seen[h / groups];
         v16 highest = v16_set1(-INFINITY), sum16 = v16_zero();
-        for (int s = 0; s < seen; s += 16) highest = v16_max(highest, v16_load_first(ph + s, seen - s, -INFINITY));
+        for (int s = 0; s < saw; s += 16) highest = v16_max(highest, v16_load_first(ph + s, saw - s, -INFINITY));
         const v16 top = v16_set1(v16_top(highest));
-        for (int s = 0; s < seen; s += 16) {
-            const v16 e = exp16(v16_sub(v16_load_first(ph + s, seen - s, 0.0f), top));
-            v16_store_first(ph + s, e, seen - s);
-            sum16 = v16_add(sum16, v16_keep_first(e, seen - s));
+        for (int s = 0; s < saw; s += 16) {
+            const v16 e = exp16(v16_sub(v16_load_first(ph + s, saw - s, 0.0f), top));
+            v16_store_first(ph + s, e, saw - s);
+            sum16 = v16_add(sum16, v16_keep_first(e, saw - s));
         }
         total[h] = v16_sum(sum16);
     }
     for (int h0 = 0; h0 < queries; h0 += group) { /* the numerators' weighted values in key order, divided by their sum */
         const int n = queries - h0 < group ? queries - h0 : group;
+        int until[12], reach = 0; /* each query's keys, and the most of them */
+        UNROLL for (int g = 0; g < 12; g++) {
+            until[g] = g < n ? seen[(h0 + g) / groups] : 0;
+            reach = until[g] > reach ? until[g] : reach;
+        }
         v16 sums[12][8];
         UNROLL for (int g = 0; g < 12; g++) UNROLL for (int i = 0; i < 8; i++) sums[g][i] = v16_zero();
-        for (int s = 0; s < seen; s++) {
+        for (int s = 0; s < reach; s++) {
             v16 v[8];
             UNROLL for (int i = 0; i < 8; i++) if (i < chunks) v[i] = load_kv(values, (size_t)s * head_dim + 16 * i, value_half);
             UNROLL for (int g = 0; g < 12; g++) {
-                if (g < group && g < n) {
+                if (g < group && s < until[g]) {
                     const v16 weight = v16_set1(p[(h0 + g) * stride + s]);
                     UNROLL for (int i = 0; i < 8; i++) if (i < chunks) sums[g][i] = v16_fmadd(weight, v[i], sums[g][i]);
                 }
             }
         }
         UNROLL for (int g = 0; g < 12; g++)
-            if (g < group && g < n)
+            if (g < group && g < n) {
+                float *oh = out + (size_t)((h0 + g) / groups) * out_stride + (size_t)((h0 + g) % groups) * head_dim;
                 UNROLL for (int i = 0; i < 8; i++)
-                    if (i < chunks) v16_store(out + (size_t)(h0 + g) * head_dim + 16 * i, v16_div(sums[g][i], v16_set1(total[h0 + g])));
+                    if (i < chunks) v16_store(oh + 16 * i, v16_div(sums[g][i], v16_set1(total[h0 + g])));
+            }
     }
 }
 
-#define ATTEND_CHUNKS(KEY_HALF, VALUE_HALF, CHUNKS) attend_chunks(CHUNKS, KEY_HALF, VALUE_HALF, q, queries, keys, values, seen, scaling, softcap, p, stride, out);
+#define ATTEND_CHUNKS(KEY_HALF, VALUE_HALF, CHUNKS) \
+    attend_chunks(CHUNKS, KEY_HALF, VALUE_HALF, q, q_stride, groups, tokens, seen, keys, values, scaling, softcap, p, stride, out, out_stride);
 
 /* Keys and values each float32 or float16 (key_half, value_half: compile-time constants inside). */
-static void attend(int key_half, int value_half, const float *q, int queries, int head_dim, const void *keys, const void *values, int seen, float scaling,
-                   float softcap, float *p, size_t stride, float *out) {
+static void attend(int key_half, int value_half, const float *q, size_t q_stride, int groups, int tokens, const int *seen, int head_dim, const void *keys,
+                   const void *values, float scaling, float softcap, float *p, size_t stride, float *out, size_t out_stride) {
     if (key_half && value_half) /* head_dim <= 128 (blocks.py) */
         BY_COUNT(head_dim / 16, ATTEND_CHUNKS, 1, 1)
     else if (value_half)
@@ -1208,10 +1226,18 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
     float *attn = malloc(sizeof(float) * (size_t)T * q_size);
     float *up = malloc(sizeof(float) * (size_t)T * 2 * intermediate);
     float *delta = malloc(sizeof(float) * (size_t)T * H);
-    float *scores = malloc(sizeof(float) * (size_t)(threads > 0 ? threads : 1) * groups * (longest + 16));
-    int *segment_of = malloc(sizeof(int) * (size_t)(T > 0 ? T : 1)); /* each token's sequence */
-    for (int g = 0; g < nseg; g++)
-        for (int t = segments[g].start; t < segments[g].stop; t++) segment_of[t] = g;
+    /* Attention's jobs: a run of up to `run` consecutive tokens of one sequence and one key/value head
+       (a run's tokens share each read of the cache), runs short enough that the threads have about
+       two jobs each; one token a run in layers with a window (each token's keys start elsewhere). */
+    const int workers = threads > 0 ? threads : 1, splits = (2 * workers + kv_heads - 1) / kv_heads;
+    int runs = 0, run = 1;
+    for (int g = 0; g < nseg; g++) {
+        const int tokens = segments[g].stop - segments[g].start, length = (tokens + splits - 1) / splits;
+        run = length > run ? length : run;
+    }
+    for (int g = 0; g < nseg; g++) runs += (segments[g].stop - segments[g].start + run - 1) / run;
+    int *run_first = malloc(sizeof(int) * (size_t)(runs + T + 1)), *run_segment = malloc(sizeof(int) * (size_t)(runs + T + 1));
+    float *scores = malloc(sizeof(float) * (size_t)workers * groups * run * (longest + 16));
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;
         rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
@@ -1251,18 +1277,26 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
                 }
         }
         /* causal attention: each token's query heads over its sequence's keys up to its own position,
-           a job per (token, key/value head), all the pass's sequences in one parallel loop */
+           a job per (run of tokens, key/value head), all the pass's sequences in one parallel loop */
+        const int length = w->window ? 1 : run;
+        int jobs = 0;
+        for (int g = 0; g < nseg; g++)
+            for (int t = segments[g].start; t < segments[g].stop; t += length) run_first[jobs] = t, run_segment[jobs++] = g;
         #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int job = 0; job < T * kv_heads; job++) {
-            const int t = job / kv_heads, kvh = job % kv_heads;
-            const agentspec_segment *seg = segments + segment_of[t];
-            const int seen = seg->past + (t - seg->start) + 1, first = w->window && seen > w->window ? seen - w->window : 0;
-            const size_t skip = (size_t)first * head_dim; /* elements of the keys (values) before the window */
-            attend(key_half, value_half, qkv + (size_t)t * width + (size_t)kvh * groups * head_dim, groups, head_dim,
-                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, key_half) + skip * (key_half ? 2 : 4),
-                   (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, value_half) + skip * (value_half ? 2 : 4),
-                   seen - first, scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * (longest + 16), longest + 16,
-                   attn + (size_t)t * q_size + (size_t)kvh * groups * head_dim);
+        for (int job = 0; job < jobs * kv_heads; job++) {
+            const int r = job / kv_heads, kvh = job % kv_heads, t0 = run_first[r];
+            const agentspec_segment *seg = segments + run_segment[r];
+            const int tokens = seg->stop - t0 < length ? seg->stop - t0 : length;
+            int seen[tokens];
+            for (int i = 0; i < tokens; i++) seen[i] = seg->past + (t0 + i - seg->start) + 1;
+            /* a window (runs of one token): the keys (values) before it left out */
+            const int first = w->window && seen[0] > w->window ? seen[0] - w->window : 0;
+            seen[0] -= first;
+            attend(key_half, value_half, qkv + (size_t)t0 * width + (size_t)kvh * groups * head_dim, width, groups, tokens, seen, head_dim,
+                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, key_half) + (size_t)first * head_dim * (key_half ? 2 : 4),
+                   (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, value_half) + (size_t)first * head_dim * (value_half ? 2 : 4),
+                   scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * run * (longest + 16), longest + 16,
+                   attn + (size_t)t0 * q_size + (size_t)kvh * groups * head_dim, q_size);
         }
         blocks_product(&w->o, attn, T, q_size, delta, H, threads);
         if (w->post_attention) rms_norm(delta, T, H, w->post_attention, w->post_eps, delta);
@@ -1276,5 +1310,5 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
         if (w->post_mlp) rms_norm(delta, T, H, w->post_mlp, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);
     }
-    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(segment_of);
+    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(run_first); free(run_segment);
 }
