@@ -201,10 +201,10 @@ def test_generic_pass_runs_soft_capped_attention(loaded):
     assert decode(generic, ids, params)[0].tokens == decode(fused, ids, params)[0].tokens
 
 
-def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0") -> None:
+def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[str, str] | None = None) -> None:
     """``model`` as llama.cpp's converter writes its family (no q/k row interleaving: Qwen's), its
     projections and LM head in ``quant`` blocks (gguf-py's quantiser), the rest float32, with the
-    tokenizer of the GGUF file ``tokenizer_source``."""
+    tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some tensors, by name."""
     import gguf
     import numpy as np
 
@@ -230,7 +230,8 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0") -> None:
     def add(name, tensor, quantised=False):
         values = tensor.detach().float().numpy()
         if quantised:
-            writer.add_tensor(name, gguf.quants.quantize(values, blocks), raw_dtype=blocks)
+            kind = gguf.GGMLQuantizationType[types[name]] if types and name in types else blocks
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values.astype(np.float32))
 
@@ -275,6 +276,26 @@ def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
         engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
         assert isinstance(engine.forward, BlockPass)
         assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0
+
+
+def test_matrices_of_types_the_kernels_do_not_read_are_named_in_one_line(loaded, tmp_path, caplog):
+    """A file with a matrix of a type the block kernels do not read (here MXFP4, gpt-oss's 4-bit floats) runs that
+    matrix on float32 weights: ``read_blocks`` says so in one warning naming the type and tensor, and
+    takes the rest from the blocks."""
+    import logging
+
+    from agentspec.passes.blocks import read_blocks
+
+    model = family_model("qwen3", loaded.vocab_size, seed=4)
+    model.config.tie_word_embeddings = False
+    q8_0_blocks(model)  # its weights as Q8_0 values, so the file's Q8_0 blocks are theirs
+    path = tmp_path / "mixed.gguf"
+    write_gguf(model, loaded.gguf_file, path, types={"blk.1.ffn_down.weight": "MXFP4"})
+    with caplog.at_level(logging.WARNING, logger="agentspec.engine"):
+        found = read_blocks(model, path)
+    assert id(model.model.layers[1].mlp.down_proj.weight) not in found and id(model.model.layers[0].mlp.down_proj.weight) in found
+    warnings = [r.getMessage() for r in caplog.records if "do not read" in r.getMessage()]
+    assert len(warnings) == 1 and "MXFP4: 1 (blk.1.ffn_down.weight)" in warnings[0], warnings
 
 
 def test_compiled_layers_refuse_what_they_do_not_compute():

@@ -87,6 +87,7 @@ GGUF_TYPES = {
 # "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
+FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensors of plain floats: the products take them as float32
 # Keys of a pass on integer rows are cached as float32 where a layer's key bias reaches this, else
 # as float16 (values always float16 there). float16 rounds a key relative to its size: the real
 # Qwen2.5 files' key biases of |145|-|158| (layers 0-1) put keys at |160|, each ~0.06 off, and moved
@@ -608,13 +609,16 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
     together read the file once."""
     tensors = read_gguf(gguf_file).tensors
     found: dict[int, Blocks] = {}
+    unread: dict[str, list[str]] = {}  # matrices of types the kernels do not read, by type
     for name, weight, heads in _gguf_names(model):
         tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
         if tensor is None:
             raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
         blocks = _read(tensor)
-        if blocks is None:
-            continue  # float or another block type: oneDNN takes this weight
+        if blocks is None:  # float or another block type: oneDNN takes this weight, as float32
+            if tensor.type_name not in FLOAT_TYPES:
+                unread.setdefault(tensor.type_name, []).append(tensor.name)
+            continue
         with torch.no_grad():
             candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
             match = next((b for b in candidates if _agrees(b, weight)), None)
@@ -623,6 +627,12 @@ def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
         found[id(weight)] = match
     if not found:
         raise NotImplementedError(f"{gguf_file.name} has no weights of the types the kernels read ({', '.join(GGUF_TYPES)})")
+    if unread:
+        shown = "; ".join(f"{kind}: {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" for kind, names in sorted(unread.items()))
+        log.warning(
+            "%s: matrices of types the block kernels do not read run on float32 weights (4-8x the bytes a token reads): %s; "
+            "requantise the file to one of %s for the fast pass on all of them", gguf_file.name, shown, ", ".join(GGUF_TYPES),
+        )
     return found
 
 
