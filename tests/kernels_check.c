@@ -18,31 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern const int agentspec_lanes;
-int agentspec_cpu_runs_this(void);
-void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads);
-/* blocks.c's structs */
-typedef struct { int kind; const void *few, *many; } blocks_arg;
-typedef struct {
-    const float *norm1, *norm2;
-    float eps1, eps2;
-    blocks_arg qkv, o, gate_up, down;
-    const float *qkv_bias, *q_norm, *k_norm;
-    float qk_eps;
-    int window, rotary;
-    const float *post_attention, *post_mlp;
-    float post_eps;
-    int gelu;
-    float softcap;
-} layer_arg;
-typedef struct { int start, stop, past, capacity; void *keys, *values; } segment_arg;
-void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const layer_arg *weights,
-                      const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const segment_arg *segments, int nseg,
-                      int key_half, int value_half, int threads);
+#include "../agentspec/passes/blocks.h" /* the kernels' structures and functions */
+
+typedef agentspec_blocks blocks_arg;
+typedef agentspec_layer layer_arg;
+typedef agentspec_segment segment_arg;
 
 static int failures = 0;
 #define CHECK(cond, ...)                                                                           \

@@ -37,6 +37,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "blocks.h"
 #if AGENTSPEC_AMX && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -967,32 +969,11 @@ void agentspec_int_product(int layout, const float *x, int M, int K, const void 
    pass in Python (fused.py), without ~120 framework calls per pass. Each token's arithmetic
    depends only on its own row and its sequence's keys and values: row-invariant, like the products. */
 
-#define INTEGER_KIND 4 /* blocks.py: _blocks_arg */
+/* agentspec_blocks, agentspec_layer, agentspec_segment and INTEGER_KIND: blocks.h */
 
-typedef struct {
-    int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; INTEGER_KIND + an integer layout (INT_LAYOUT) */
-    const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
-} agentspec_blocks;
-
-typedef struct {
-    const float *norm1, *norm2;
-    float eps1, eps2;
-    agentspec_blocks qkv, o, gate_up, down;
-    const float *qkv_bias;        /* added to the q/k/v product's outputs (Qwen2), or NULL */
-    const float *q_norm, *k_norm; /* RMSNorm weights over each query / key head before the rotary embedding (Qwen3), or NULL */
-    float qk_eps;
-    int window;                   /* a token attends to the last `window` positions only (Mistral); 0: to all */
-    int rotary;                   /* 1 + the rotary table the layer reads (Gemma 3: one per layer type); 0: none (SmolLM3) */
-    const float *post_attention, *post_mlp; /* RMSNorm weights of attention's and the MLP's outputs (Gemma 2/3), or NULL */
-    float post_eps;
-    int gelu;                     /* the gate's activation: GELU, tanh approximation (Gemma), instead of SiLU */
-    float softcap;                /* attention scores soft-capped: tanh(score / cap) * cap (Gemma 2); 0: not */
-} agentspec_layer;
-
-typedef struct {
-    int start, stop, past, capacity; /* the sequence's new tokens [start, stop) of the pass */
-    void *keys, *values;             /* its block's keys and values: [layers, kv_heads, capacity, head_dim] each, float32 or float16 */
-} agentspec_segment;
+void agentspec_struct_sizes(size_t sizes[3]) {
+    sizes[0] = sizeof(agentspec_blocks), sizes[1] = sizeof(agentspec_layer), sizes[2] = sizeof(agentspec_segment);
+}
 
 /* 16 keys' (values') elements from a block of float32 or, with `half` (a compile-time constant at
    each call site), float16 — converted exactly to float32. */

@@ -63,6 +63,7 @@ __all__ = [
 log = logging.getLogger("agentspec.engine")
 
 KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
+KERNEL_HEADER = Path(__file__).with_name("blocks.h")  # its interface: the structures _BlocksArg, _LayerArg and _SegmentArg mirror
 FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp")
 LIBRARY = ("-shared", "-fPIC")  # _build's: the kernels as a library (tests link blocks.c into a program)
 BLOCK = 32  # weights per block, both types
@@ -245,7 +246,7 @@ def _build(name: str) -> ctypes.CDLL | str:
     compiler = _compiler()
     if compiler is None:
         return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
-    source = KERNEL_SOURCE.read_bytes()
+    source = KERNEL_SOURCE.read_bytes() + KERNEL_HEADER.read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     except (OSError, subprocess.SubprocessError) as exc:
@@ -273,6 +274,11 @@ def _build(name: str) -> ctypes.CDLL | str:
     if not kernels.agentspec_cpu_runs_this():
         granted = " (or the system did not grant its AMX tiles: Linux 5.16 or later does)" if level.amx else ""
         return f"{name}: this CPU does not run the kernels built for it{granted}"
+    sizes, mirrored = (ctypes.c_size_t * 3)(), (ctypes.sizeof(_BlocksArg), ctypes.sizeof(_LayerArg), ctypes.sizeof(_SegmentArg))
+    kernels.agentspec_struct_sizes.argtypes, kernels.agentspec_struct_sizes.restype = [ctypes.POINTER(ctypes.c_size_t)], None
+    kernels.agentspec_struct_sizes(sizes)
+    if tuple(sizes) != mirrored:  # never pass structures the library would read past
+        return f"{name}: the kernels' structures (blocks.h: {tuple(sizes)} bytes) are not blocks.py's ({mirrored}); rebuild them from this version"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     for symbol in _SYMBOLS.values():  # (x, M, K, blocks grouped for few rows, for many, y, N, threads)
         getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, integer, integer]
