@@ -16,8 +16,8 @@ from agentspec.engine import Engine
 from agentspec.passes.arch import FAMILIES, GGUF_PROJECTIONS, describe
 from agentspec.passes.blocks import BlockPass, GGUFBlocks, tensor_blocks
 from agentspec.passes.fused import FusedPass
-from agentspec.engine.kv import KVLayout
-from agentspec.passes.packed import check_packed, use_packed_attention
+from agentspec.engine.kv import KVBlock, KVLayout
+from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.passes.static import StaticPass
 from agentspec.passes.weights import NEAR_TOLERANCE, onednn_linear, select_weights
 from agentspec.model import load_model
@@ -276,6 +276,61 @@ def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
         engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
         assert isinstance(engine.forward, BlockPass)
         assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0
+
+
+def real_statistics_model(seed: int = 0, vocab_size: int = 4096):
+    """A Qwen2 of Qwen2.5-0.5B's width (896, 14/2 heads; 4 layers, MLP 1024) whose activations have
+    the statistics measured on the real Qwen2.5-Coder-0.5B weights: embedding rows of norm 0.5-0.95;
+    key biases of ±150 on 12 channels of layers 0 and 1 (the rest ~3); and from layer 2 on 7 residual
+    channels ("massive activations") in the thousands where the others stay within ~5 — written by
+    256 MLP units of layer 1 whose gate and up rows are one vector (SiLU(g)·g > 0 for every token)
+    and whose down weights feed those 7 channels only. Its linear weights are Q8_0 values; returns
+    the model, its Q8_0 blocks (``q8_0_blocks``) and the 7 channels."""
+    import transformers as T
+
+    config = T.Qwen2Config(hidden_size=896, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2,
+                           vocab_size=vocab_size, max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    channels, units = torch.randperm(896)[:7], torch.arange(256)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+        embedding = model.model.embed_tokens.weight
+        embedding.mul_((0.5 + 0.45 * torch.rand(embedding.shape[0], 1)) / embedding.norm(dim=-1, keepdim=True))
+        for index, layer in enumerate(model.model.layers):
+            bias = layer.self_attn.k_proj.bias
+            bias.normal_(0.0, 3.0)
+            if index < 2:
+                bias[torch.randperm(bias.numel())[:12]] = torch.tensor([150.0, -150.0]).repeat(6)
+        mlp = model.model.layers[1].mlp
+        mlp.gate_proj.weight[units] *= 3
+        mlp.up_proj.weight[units] = mlp.gate_proj.weight[units]
+        mlp.down_proj.weight[:, units] = 0
+        mlp.down_proj.weight[channels[:, None], units[None, :]] = 2.0  # ~2,000 in each of the 7 channels
+    return model, q8_0_blocks(model), channels
+
+
+@torch.inference_mode()
+def test_the_integer_pass_holds_on_real_statistics(tmp_path):
+    """On a model with real models' activation statistics (``real_statistics_model``: massive
+    residual channels, key biases of ±150, small embedding rows) the integer pass ("gguf-q16": rows
+    rounded to 16 bits per block of 32 — a block holding a massive channel rounds the rest of its
+    block coarsely) keeps float32 keys, stays within a tenth of its tolerance of the model, and
+    chooses every greedy token of 200 positions of text as the float32-row pass does."""
+    model, found, channels = real_statistics_model()
+    use_packed_attention(model)
+    ids = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    residuals = model(input_ids=ids[None, :64], output_hidden_states=True).hidden_states
+    for depth in (2, 3):  # the statistics are there: 7 channels in the thousands, the next within ~10
+        largest = residuals[depth][0].abs().amax(0)
+        assert largest[channels].min() > 1000 and largest.sort().values[-8] < 10, (depth, largest.sort().values[-9:])
+    layout = KVLayout.of(model)
+    passes = {activations: BlockPass(model, GGUFBlocks(model, tmp_path / "real.gguf", onednn_linear, activations, blocks=found)) for activations in ("float32", "q16")}
+    assert passes["q16"].kv_dtypes == (torch.float32, torch.float16)
+    assert check_packed(model, layout.with_dtype(*passes["q16"].kv_dtypes), NEAR_TOLERANCE / 10, forward=passes["q16"]) < NEAR_TOLERANCE / 10
+    logits = {name: forward([PackedRow(KVBlock(layout.with_dtype(*forward.kv_dtypes)), ids.tolist(), len(ids))])[0] for name, forward in passes.items()}
+    assert torch.equal(logits["float32"].argmax(-1), logits["q16"].argmax(-1))
 
 
 def test_matrices_of_types_the_kernels_do_not_read_are_named_in_one_line(loaded, tmp_path, caplog):
