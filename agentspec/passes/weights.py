@@ -336,7 +336,7 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     return SelectedWeights(best, candidates[best], reason, timings, _tolerance(best), isa)
 
 
-# A GGUF file on a CPU with kernels: the first of these that runs and passes its check, by rule
+# A GGUF file on a CPU with kernels: the first of these that builds, by rule (its check is in the tests)
 GGUF_RULE = ("gguf-q16", "gguf")
 
 
