@@ -131,6 +131,14 @@ def q8_0_blocks(model) -> dict:
     return found
 
 
+@torch.no_grad()
+def large_key_biases(model, generator: torch.Generator | None = None) -> None:
+    """The real Qwen2.5 files' key biases: 12 channels of ±150 in the key biases of layers 0 and 1."""
+    for layer in model.model.layers[:2]:
+        bias = layer.self_attn.k_proj.bias
+        bias[torch.randperm(bias.numel(), generator=generator)[:12]] = torch.tensor([150.0, -150.0]).repeat(6)
+
+
 @torch.inference_mode()
 def test_large_key_biases_keep_float32_keys_on_integer_rows(loaded, tmp_path):
     """Qwen2.5's files have key biases of |145|-|158| in their first layers, so keys of |160|, which
@@ -156,10 +164,7 @@ def test_large_key_biases_keep_float32_keys_on_integer_rows(loaded, tmp_path):
     layout = KVLayout.of(model)
     small = BlockPass(model, GGUFBlocks(model, tmp_path / "qwen2.gguf", onednn_linear, "q16", blocks=found))
     assert small.kv_dtypes == (torch.float16, torch.float16)  # key biases below KEY_BIAS_LIMIT
-    with torch.no_grad():
-        for layer in model.model.layers[:2]:
-            bias = layer.self_attn.k_proj.bias
-            bias[torch.randperm(bias.numel(), generator=torch.Generator().manual_seed(1))[:12]] = torch.tensor([150.0, -150.0]).repeat(6)
+    large_key_biases(model, torch.Generator().manual_seed(1))
     forward = BlockPass(model, GGUFBlocks(model, tmp_path / "qwen2.gguf", onednn_linear, "q16", blocks=found))
     assert forward.kv_dtypes == (torch.float32, torch.float16)
     chosen = check_packed(model, layout.with_dtype(*forward.kv_dtypes), NEAR_TOLERANCE, forward=forward)
@@ -298,11 +303,9 @@ def real_statistics_model(seed: int = 0, vocab_size: int = 4096):
             parameter.add_(torch.randn_like(parameter) * 0.02)
         embedding = model.model.embed_tokens.weight
         embedding.mul_((0.5 + 0.45 * torch.rand(embedding.shape[0], 1)) / embedding.norm(dim=-1, keepdim=True))
-        for index, layer in enumerate(model.model.layers):
-            bias = layer.self_attn.k_proj.bias
-            bias.normal_(0.0, 3.0)
-            if index < 2:
-                bias[torch.randperm(bias.numel())[:12]] = torch.tensor([150.0, -150.0]).repeat(6)
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.bias.normal_(0.0, 3.0)
+        large_key_biases(model)
         mlp = model.model.layers[1].mlp
         mlp.gate_proj.weight[units] *= 3
         mlp.up_proj.weight[units] = mlp.gate_proj.weight[units]

@@ -30,22 +30,16 @@ def weight_bytes(forward: Any) -> int | None:
     return None if any(size is None for size in sizes) else sum(sizes)
 
 
-def read_bandwidth(threads: int | None = None) -> float:
+def read_bandwidth() -> float:
     """This machine's read bandwidth in bytes/s, as ``torch.sum`` of a 512 MiB float32 buffer reaches
-    it on ``threads`` (default: torch's, the passes' own), best of 5 after a first touch."""
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        buffer = torch.ones(READ_BYTES // 4)
-        best = float("inf")
-        for _ in range(READ_REPEATS):
-            started = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - started)
-        return READ_BYTES / best
-    finally:
-        torch.set_num_threads(before)
+    it on torch's threads (the passes' own), best of 5 after a first touch."""
+    buffer = torch.ones(READ_BYTES // 4)
+    best = float("inf")
+    for _ in range(READ_REPEATS):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return READ_BYTES / best
 
 
 @dataclass(frozen=True)

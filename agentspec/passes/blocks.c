@@ -1211,13 +1211,13 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
        (a run's tokens share each read of the cache), runs short enough that the threads have about
        two jobs each; one token a run in layers with a window (each token's keys start elsewhere). */
     const int workers = threads > 0 ? threads : 1, splits = (2 * workers + kv_heads - 1) / kv_heads;
-    int runs = 0, run = 1;
+    int run = 1;
     for (int g = 0; g < nseg; g++) {
         const int tokens = segments[g].stop - segments[g].start, length = (tokens + splits - 1) / splits;
         run = length > run ? length : run;
     }
-    for (int g = 0; g < nseg; g++) runs += (segments[g].stop - segments[g].start + run - 1) / run;
-    int *run_first = malloc(sizeof(int) * (size_t)(runs + T + 1)), *run_segment = malloc(sizeof(int) * (size_t)(runs + T + 1));
+    /* each run's first token and sequence: at most one run a token */
+    int *run_first = malloc(sizeof(int) * (size_t)(T + 1)), *run_segment = malloc(sizeof(int) * (size_t)(T + 1));
     float *scores = malloc(sizeof(float) * (size_t)workers * groups * run * (longest + 16));
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;

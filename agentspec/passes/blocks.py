@@ -26,8 +26,8 @@ CPU runs (``$AGENTSPEC_ISA`` caps it: ``AGENTSPEC_ISA=avx2`` runs an AVX-512 mac
 and every level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree,
 integer dot products exact. Where there is no compiler or no AVX2 the pass is not a candidate and
 says why. Weights whose blocks are of another type (or float) take oneDNN-packed float32 products
-instead; every block is checked at start-up to dequantise to the loaded weight, bit for bit, or the
-pass is refused.
+instead; every matrix's blocks are checked at start-up to dequantise to the loaded weight, bit for
+bit, on 8 rows spread over it (``read_blocks``), or the pass is refused.
 """
 
 from __future__ import annotations

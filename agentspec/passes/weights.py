@@ -308,7 +308,7 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
         return SelectedWeights(requested, forward, "requested", {}, _tolerance(requested), getattr(forward, "isa", None))
     left_out: list[str] = []
     read = functools.cache(lambda: read_blocks(model, gguf_file))  # once for "gguf" and "gguf-q16"
-    by_rule = _gguf_by_rule(model, layout, gguf_file, read, left_out)
+    by_rule = _gguf_by_rule(model, gguf_file, read, left_out)
     if by_rule is not None:
         return by_rule
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
@@ -340,9 +340,7 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
 GGUF_RULE = ("gguf-q16", "gguf")
 
 
-def _gguf_by_rule(
-    model: Any, layout: KVLayout, gguf_file: Path | None, read: Callable[[], dict[int, Blocks]], left_out: list[str]
-) -> SelectedWeights | None:
+def _gguf_by_rule(model: Any, gguf_file: Path | None, read: Callable[[], dict[int, Blocks]], left_out: list[str]) -> SelectedWeights | None:
     """"auto" on a GGUF file where the block kernels run: the first pass of ``GGUF_RULE`` that builds,
     chosen by rule, not by timing — the same file on the same CPU takes the same pass, and so gives
     the same text, on every run (gguf and gguf-q16 differ where two tokens nearly tie) — and the only
