@@ -9,7 +9,6 @@ Two guarantees the stream relies on:
 from __future__ import annotations
 
 import codecs
-import json
 from functools import lru_cache
 from typing import Any, Iterable
 
@@ -29,10 +28,16 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(code): b for b, code in chars.items()}
 
 
+@lru_cache(maxsize=1)
+def _byte_level_translation() -> dict[int, int]:
+    """``str.translate``'s table from the stand-in characters to the bytes they stand for (as characters 0-255)."""
+    return {ord(char): byte for char, byte in _byte_level_alphabet().items()}
+
+
 def _decoder_kind(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+        decoder = repr(backend.decoder)  # its components by name (Sequence([ByteFallback(), ...])), without serialising the vocabulary
         if "ByteLevel" in decoder:
             return "byte_level"
         if "ByteFallback" in decoder or "▁" in decoder:
@@ -47,7 +52,7 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
     ids the tokenizer does not know map to ``b""``.
     """
     kind = _decoder_kind(tokenizer)
-    alphabet = _byte_level_alphabet()
+    alphabet, translation = _byte_level_alphabet().keys(), _byte_level_translation()
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
@@ -57,8 +62,8 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
             table.append(b"")
         elif token_id in added:
             table.append(added[token_id].content.encode())
-        elif kind == "byte_level" and all(c in alphabet for c in piece):
-            table.append(bytes(alphabet[c] for c in piece))
+        elif kind == "byte_level" and alphabet >= set(piece):
+            table.append(piece.translate(translation).encode("latin-1"))
         elif kind == "sentencepiece" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             table.append(bytes([int(piece[3:5], 16)]))
         elif kind == "sentencepiece":
