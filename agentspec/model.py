@@ -3,17 +3,27 @@
 Only safe weight formats are read (safetensors, GGUF); nothing is ever downloaded. Loaded models are
 shared: every ``Client`` asking for the same (model, device, dtype) gets the same weights.
 
-Reading a GGUF file through transformers is slow (it parses the file's metadata three times; the
-dequantising is the small part), so the first load of a ``.gguf`` also
-writes what it loaded — the dequantised weights, config and tokenizer — as a safetensors snapshot
+A ``.gguf`` file on the CPU (float32, a family of ``passes/arch.py``) is the model: agentspec's
+reader checks and maps it, the configuration and tokenizer come from its metadata
+(``gguf/config.py``), and ``LoadedModel.module`` is transformers' module tree of the model with only
+the file's float tensors in it (norms, biases; ``gguf/modules.py``) — the block passes multiply the
+file's own blocks. No float32 copy of the weights is made unless something asks for one:
+``LoadedModel.model``, the model as transformers computes it (the reference of the tests and the
+bench's baselines, draft models of their own, passes on float32 weights by name), dequantises the
+file through transformers on first use.
+
+That float32 model is slow to read from a GGUF file (transformers parses the file's metadata three
+times; the dequantising is the small part), so its first load writes it as a safetensors snapshot
 under ``$AGENTSPEC_CACHE_DIR`` (default ``~/.cache/agentspec/models``; ``off`` disables it), keyed
 by the file's path, size and modification time, transformers' version and the dtype. Later loads
-read the snapshot: the same tensors, bit for bit, without parsing the file.
+read the snapshot: the same tensors, bit for bit, without parsing the file. Other devices and dtypes
+(CUDA), and architectures outside ``arch.py``, load that model as the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -25,13 +35,14 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .chat import ChatFormat
 from .errors import ModelLoadError
 from .gguf import GGUFFile, read_gguf
+from .gguf.config import head_dim_override
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
@@ -55,10 +66,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(eq=False)
 class LoadedModel:
-    """A causal LM with everything the engine needs to decode it."""
+    """A causal LM with everything the engine needs to decode it.
+
+    ``module``: transformers' module tree the passes read the model's structure from — the model
+    itself, or for a GGUF file on the CPU the tree without its quantised weights (on the meta device;
+    ``gguf.modules.weights_on_meta``). ``model``: the model as transformers computes it, with float
+    weights (for such a file, dequantised on first use)."""
 
     name: str
-    model: Any
+    module: Any
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
@@ -67,10 +83,50 @@ class LoadedModel:
     token_bytes: list[bytes] = field(repr=False)
     chat: ChatFormat = field(repr=False)
     gguf_file: Path | None = None  # the GGUF file the weights were read from (directly or via its snapshot)
+    gguf: GGUFFile | None = field(default=None, repr=False)  # that file, read and mapped
+    float_model: Callable[[], Any] | None = field(default=None, repr=False)  # loads ``model`` where ``module`` has no weights
+    _model: Any = field(default=None, init=False, repr=False)
+    _model_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def vocab_size(self) -> int:
         return len(self.token_bytes)
+
+    @property
+    def model(self) -> Any:
+        """transformers' model with its float weights: ``module`` where it has them, else the file
+        dequantised (once, logged: 4 bytes a weight)."""
+        if self.float_model is None:
+            return self.module
+        with self._model_lock:
+            if self._model is None:
+                log.info("%s: loading the float32 model (dequantised; about %.1f GB)", self.name, 4 * self.module.num_parameters() / 1e9)
+                self._model = self.float_model()
+            return self._model
+
+    def with_model(self, model: Any, **changes: Any) -> "LoadedModel":
+        """This load (tokenizer, chat format, stops) with another transformers ``model`` of the same
+        vocabulary, which holds its own weights (no GGUF file); ``changes``: other fields (a name,
+        a context window). The tests' tiny models and the GPU check use it."""
+        return dataclasses.replace(self, module=model, gguf_file=None, gguf=None, float_model=None, **changes)
+
+    def input_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the input embedding [len(ids), hidden], in the model's dtype on its device:
+        the module's weight, or dequantised from the file's blocks (the float32 bits transformers'
+        reader gives) where the module tree has none."""
+        return self._rows(self.module.get_input_embeddings().weight, "token_embd.weight", ids)
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the LM head [len(ids), hidden] (the input embedding's where they are tied)."""
+        name = "output.weight" if self.gguf is not None and "output.weight" in self.gguf.tensors else "token_embd.weight"
+        return self._rows(self.module.get_output_embeddings().weight, name, ids)
+
+    def _rows(self, weight: torch.Tensor, name: str, ids: torch.Tensor) -> torch.Tensor:
+        if weight.device.type != "meta":
+            return weight.detach()[ids.to(weight.device)]
+        from .passes.blocks import FileBlocks
+
+        return FileBlocks(self.gguf.tensors[name]).dequantised_rows(ids)  # module_tree loads every matrix of another type
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -131,15 +187,6 @@ def _sources(ref: str | Path | None) -> tuple[str, dict[str, Any]]:
     return str(ref), {"use_safetensors": True, "local_files_only": True}
 
 
-def _gguf_overrides(gguf: GGUFFile) -> dict[str, Any]:
-    """Config fields transformers' GGUF reader drops, read from the file: a head size that is not
-    hidden / heads (Qwen3's ``attention.key_length``)."""
-    meta = gguf.scalars()
-    arch = gguf.architecture
-    head_dim, hidden, heads = (meta.get(f"{arch}.{key}") for key in ("attention.key_length", "embedding_length", "attention.head_count"))
-    return {"head_dim": head_dim} if head_dim and hidden and heads and head_dim * heads != hidden else {}
-
-
 def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -197,9 +244,9 @@ def _write_snapshot(model: Any, tokenizer: Any, where: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load a model afresh (``load_model`` shares one load per process): from a GGUF file's snapshot
-    when there is one, else from the source, writing the snapshot."""
+def _transformers_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype, gguf: GGUFFile | None) -> tuple[Any, Any]:
+    """transformers' model and tokenizer for ``ref``: from a GGUF file's snapshot when there is one,
+    else from the source, writing the snapshot of a GGUF file."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -207,9 +254,6 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
     source, kwargs = _sources(ref)
     gguf_file = Path(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
-    # checked before anything else reads it: a malformed file is a ModelLoadError naming what is wrong
-    gguf = read_gguf(gguf_file) if gguf_file is not None else None
-    name = str(ref or gguf_file.name)
     snapshot = snapshot_path(gguf_file, dtype) if gguf_file is not None else None
     if snapshot is not None and (snapshot / SNAPSHOT_WEIGHTS).exists():
         source, kwargs = str(snapshot), {}
@@ -222,7 +266,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         # transformers' GGUF reader draws its own tqdm bar on stderr; keep start-up quiet.
         quiet = contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in kwargs else contextlib.nullcontext()
         with quiet:
-            overrides = _gguf_overrides(gguf) if gguf is not None and "gguf_file" in kwargs else {}
+            overrides = head_dim_override(gguf) if gguf is not None and "gguf_file" in kwargs else {}
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **overrides)
     except Exception as exc:  # OSError, ValueError, KeyError/NotImplementedError for unsupported GGUFs
         hint = (
@@ -243,19 +287,53 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         model.to(device).eval()
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         raise ModelLoadError(f"Could not move the model to {device}: {exc}. Try device='cpu' or a smaller dtype.") from exc
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    window = int(getattr(model.config, "max_position_embeddings", 0) or FALLBACK_CONTEXT_WINDOW)
+    return model, tokenizer
+
+
+def _module_tree_family(gguf: GGUFFile | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the file is the model (``module_tree``): on the CPU in float32, a family of ``arch.py``."""
+    from .gguf.config import model_type
+    from .passes.arch import FAMILIES
+
+    return gguf is not None and device.type == "cpu" and dtype == torch.float32 and model_type(gguf) in FAMILIES
+
+
+def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load a model afresh (``load_model`` shares one load per process). A GGUF file on the CPU is
+    read as the model (``module_tree``: nothing dequantised but the file's float tensors); anything
+    else through transformers (a GGUF file from its snapshot when there is one)."""
+    source, kwargs = _sources(ref)
+    gguf_file = Path(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
+    # checked before anything else reads it: a malformed file is a ModelLoadError naming what is wrong
+    gguf = read_gguf(gguf_file) if gguf_file is not None else None
+    name = str(ref or gguf_file.name)
+    float_model = None
+    if _module_tree_family(gguf, device, dtype):
+        from .gguf.config import model_config, model_tokenizer
+        from .gguf.modules import module_tree
+        from .passes.blocks import GGUF_TYPES
+
+        config = model_config(gguf)
+        tokenizer = model_tokenizer(gguf)
+        module = module_tree(gguf, config, quantised=frozenset(GGUF_TYPES))
+        float_model = lambda: _transformers_model(ref, device, dtype, gguf)[0]  # noqa: E731 - the reference, on demand
+    else:
+        module, tokenizer = _transformers_model(ref, device, dtype, gguf)
+    vocab_size = module.get_output_embeddings().weight.shape[0]
+    window = int(getattr(module.config, "max_position_embeddings", 0) or FALLBACK_CONTEXT_WINDOW)
     return LoadedModel(
         name=name,
-        model=model,
+        module=module,
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
         context_window=window,
-        stop_token_ids=_stop_token_ids(model, tokenizer),
+        stop_token_ids=_stop_token_ids(module, tokenizer),
         token_bytes=token_bytes_table(tokenizer, vocab_size),
         chat=ChatFormat(tokenizer, None if gguf is None else gguf.metadata.get("tokenizer.ggml.add_bos_token")),
         gguf_file=gguf_file,
+        gguf=gguf,
+        float_model=float_model,
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -120,4 +119,4 @@ def tiny_model(loaded: LoadedModel, *, seed: int = 0, hidden: int = 32, layers: 
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config).eval()
-    return dataclasses.replace(loaded, name=f"tiny-{seed}", model=model, context_window=512, gguf_file=None)  # not the file's weights
+    return loaded.with_model(model, name=f"tiny-{seed}", context_window=512)  # not the file's weights

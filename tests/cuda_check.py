@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import time
 from dataclasses import asdict
@@ -138,7 +137,7 @@ def families(device: str, dtype: str, max_tokens: int) -> dict:
     for name in FAMILIES:
         # bf16 keeps 8 bits: smaller weights keep the logits' magnitude, so its rounding, within the start-up check's 0.1
         model = family_model(name, default.vocab_size, noise=0.3 if dtype == "float32" else 0.05).to(device=device, dtype=torch_dtype)
-        tiny = dataclasses.replace(default, name=f"tiny-{name}", model=model, device=torch.device(device), dtype=torch_dtype, context_window=512, gguf_file=None)
+        tiny = default.with_model(model, name=f"tiny-{name}", device=torch.device(device), dtype=torch_dtype, context_window=512)
         try:
             engine = Engine(tiny, weights="static")
             engine.calibrate(repeats=1)

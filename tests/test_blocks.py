@@ -361,7 +361,7 @@ def test_gguf_pass_is_refused_with_a_reason_where_it_cannot_run(loaded):
     assert blocks_unsupported(tiny.model, None) == "the model was not read from a GGUF file"
     with pytest.raises(ModelLoadError, match="weights='gguf' cannot run here: the model was not read from a GGUF file"):
         Engine(tiny, weights="gguf")
-    half = dataclasses.replace(tiny, model=tiny.model.to(torch.bfloat16), dtype=torch.bfloat16, gguf_file=loaded.gguf_file)
+    half = dataclasses.replace(tiny.with_model(tiny.model.to(torch.bfloat16), dtype=torch.bfloat16), gguf_file=loaded.gguf_file)
     assert "float32 rows on a CPU" in blocks_unsupported(half.model, half.gguf_file)
 
 

@@ -51,8 +51,8 @@ class Recording(HeadDrafter):
 
 def random_head(target, draft_vocab: int = 512, seed: int = 0) -> DraftHead:
     torch.manual_seed(seed)
-    config = HeadConfig.for_target(target.model, target.name, draft_vocab)
-    return DraftHead(config, target.model, torch.arange(draft_vocab)).eval().requires_grad_(False)
+    config = HeadConfig.for_target(target, target.name, draft_vocab)
+    return DraftHead(config, target, torch.arange(draft_vocab)).eval().requires_grad_(False)
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-prefix-cache", "prefix-cache"])
@@ -108,25 +108,25 @@ def test_a_saved_head_loads_with_the_same_weights_and_is_refused_for_another_tar
     tiny = tiny_model(loaded, seed=2)
     head = random_head(tiny, seed=5)
     head.save(tmp_path / "head")
-    again = load_head(tmp_path / "head", tiny.model)
+    again = load_head(tmp_path / "head", tiny)
     features, tokens, positions = torch.randn(5, tiny.model.config.hidden_size), torch.tensor([1, 2, 3, 4, 5]), torch.arange(1, 6)
     with torch.inference_mode():
         a, _ = head(features, tokens, positions)
         b, _ = again(features, tokens, positions)
     torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)  # saved in bfloat16
     assert torch.equal(again.draft_vocab, head.draft_vocab)
-    assert json.loads((tmp_path / "head" / "head.json").read_text())["target"] == target_fingerprint(tiny.model)
+    assert json.loads((tmp_path / "head" / "head.json").read_text())["target"] == target_fingerprint(tiny)
     other = tiny_model(loaded, seed=4)
     with pytest.raises(agentspec.ModelLoadError, match="trained for tiny-2 .* not for tiny-4 .*agentspec train-draft"):
-        load_head(tmp_path / "head", other.model, other.name)
+        load_head(tmp_path / "head", other, other.name)
     with pytest.raises(agentspec.ModelLoadError, match="No draft head at .*train-draft"):
-        load_head(tmp_path / "missing", tiny.model)
+        load_head(tmp_path / "missing", tiny)
 
 
 def test_the_fingerprint_ignores_the_dtype_the_target_was_loaded_in(loaded):
     tiny = tiny_model(loaded, seed=2)
-    half = tiny_model(loaded, seed=2).model.to(torch.bfloat16)
-    assert target_fingerprint(tiny.model) == target_fingerprint(half) != target_fingerprint(tiny_model(loaded, seed=3).model)
+    half = tiny.with_model(tiny_model(loaded, seed=2).model.to(torch.bfloat16), dtype=torch.bfloat16)
+    assert target_fingerprint(tiny) == target_fingerprint(half) != target_fingerprint(tiny_model(loaded, seed=3))
 
 
 @pytest.mark.parametrize("draft, needle", [("head:", "write 'head:PATH'"), (3, "must be None, 'none'")])
@@ -165,9 +165,9 @@ def test_train_draft_command_reports_bad_input_without_loading(tmp_path):
 
 @pytest.fixture(scope="module")
 def shipped(loaded):
-    path = shipped_head(loaded.model)
+    path = shipped_head(loaded)
     assert path is not None, "agentspec ships a draft head for its default model (agentspec/heads/)"
-    return load_head(path, loaded.model, loaded.name)
+    return load_head(path, loaded, loaded.name)
 
 
 def test_the_shipped_head_drafts_accepted_tokens_and_greedy_equals_plain(loaded, engine, shipped):
@@ -203,7 +203,7 @@ def test_the_shipped_head_under_seeded_sampling_gives_plain_sampling(loaded, eng
 
 
 async def test_the_default_client_uses_the_shipped_head_and_none_turns_it_off(client, loaded):
-    assert client.draft_sources.head is not None and client.draft_sources.head_path == shipped_head(loaded.model)
+    assert client.draft_sources.head is not None and client.draft_sources.head_path == shipped_head(loaded)
     messages = [{"role": "user", "content": PROMPTS[1]}]
     only_model = agentspec.SpecConfig(sources=("model",), adaptive=False, max_draft_tokens=3)
     spec = await client.generate(messages, max_tokens=24, speculative=only_model)
@@ -237,7 +237,7 @@ def test_train_draft_head_on_the_real_model_writes_a_head_that_loads(loaded, tmp
     assert 0 <= report.held_out_first <= 1 and 0 <= report.held_out_second <= 1 and report.steps == 8
     assert any("answering 5/5" in line for line in seen) and any("training epoch 2/2" in line for line in seen)
     config = json.loads((tmp_path / "head" / "head.json").read_text())
-    assert config["target"] == target_fingerprint(loaded.model) and config["draft_vocab"] == report.draft_vocab <= 256
+    assert config["target"] == target_fingerprint(loaded) and config["draft_vocab"] == report.draft_vocab <= 256
     assert config["training"]["held_out_first"] == report.held_out_first
-    head = load_head(tmp_path / "head", loaded.model)
+    head = load_head(tmp_path / "head", loaded)
     assert dataclasses.asdict(head.config)["training"]["steps"] == 8

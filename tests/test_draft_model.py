@@ -83,9 +83,7 @@ def padded(loaded, extra_rows: int, seed: int = 0):
         vocab_size=loaded.vocab_size + extra_rows, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, tie_word_embeddings=True,
     )  # fmt: skip
-    return dataclasses.replace(
-        loaded, model=LlamaForCausalLM(config).eval(), context_window=512
-    )
+    return loaded.with_model(LlamaForCausalLM(config).eval(), context_window=512)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +95,7 @@ def target(loaded, one_thread):
 def drafts(loaded, target):
     return {
         "same": tiny_model(loaded, seed=0),
-        "perturbed": dataclasses.replace(target, model=Distorted(target.model, 0.3)),
+        "perturbed": target.with_model(Distorted(target.model, 0.3)),
         "other": tiny_model(loaded, seed=1),
         "padded": padded(loaded, 37, seed=3),
     }

@@ -7,7 +7,6 @@ greedy and seeded decoding are the same tokens speculative or plain."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def family_model(family: str, vocab_size: int, seed: int = 0, noise: float = 0.3
 def family(request, loaded):
     """(family, its tiny model sharing the default tokenizer, as a LoadedModel)."""
     model = family_model(request.param, loaded.vocab_size)
-    return request.param, dataclasses.replace(loaded, name=f"tiny-{request.param}", model=model, context_window=512, gguf_file=None)
+    return request.param, loaded.with_model(model, name=f"tiny-{request.param}", context_window=512)
 
 
 def test_description_reads_the_block(family):
@@ -198,7 +197,7 @@ def test_generic_pass_runs_soft_capped_attention(loaded):
     so the model's own forward outside packed passes computes it written out — a request runs and
     gives the fused pass's tokens, not a raw ValueError."""
     model = family_model("gemma2", loaded.vocab_size, seed=1)
-    tiny = dataclasses.replace(loaded, name="tiny-gemma2", model=model, context_window=512, gguf_file=None)
+    tiny = loaded.with_model(model, name="tiny-gemma2", context_window=512)
     generic, fused = Engine(tiny, weights="eager"), Engine(tiny, weights="fused")
     generic.calibrate(repeats=1)  # checks the packed passes against the model's own forward
     ids = tiny.chat.encode([{"role": "user", "content": "Hello there"}])
@@ -207,14 +206,17 @@ def test_generic_pass_runs_soft_capped_attention(loaded):
 
 
 def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[str, str] | None = None) -> None:
-    """``model`` as llama.cpp's converter writes its family (no q/k row interleaving: Qwen's), its
-    projections and LM head in ``quant`` blocks (gguf-py's quantiser), the rest float32, with the
-    tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some tensors, by name."""
+    """``model`` as llama.cpp's converter writes its family — Llama's q/k rows with their rotary
+    halves interleaved, Gemma's norms as 1 + w, Gemma 3 as architecture ``gemma3`` — its
+    projections and LM head (unless tied) in ``quant`` blocks (gguf-py's quantiser), the rest float32,
+    with the tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some
+    tensors, by name. What the metadata says is what llama.cpp's GGUF keys hold (sizes, heads, RoPE
+    base, epsilon, sliding window): a config switch without a key there is not in the file."""
     import gguf
     import numpy as np
 
     config, family = model.config, describe(model).family
-    writer = gguf.GGUFWriter(str(path), config.model_type)
+    writer = gguf.GGUFWriter(str(path), {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type))
     for field in gguf.GGUFReader(str(tokenizer_source)).fields.values():
         if field.name.startswith("tokenizer."):
             kind = field.types[0]
@@ -228,12 +230,20 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])  # Gemma 3's: a table per layer type, the global one in the file
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     blocks = gguf.GGMLQuantizationType[quant]
 
     def add(name, tensor, quantised=False):
         values = tensor.detach().float().numpy()
+        if family.norm_offset and name.endswith("norm.weight"):
+            values = values + family.norm_offset
+        if family.gguf_permuted and (".attn_q." in name or ".attn_k." in name):  # llama.cpp's converter: rotary halves interleaved
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            values = values.reshape(heads, 2, values.shape[0] // heads // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
         if quantised:
             kind = gguf.GGMLQuantizationType[types[name]] if types and name in types else blocks
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
@@ -241,7 +251,7 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
             writer.add_tensor(name, values.astype(np.float32))
 
     body = model.model
-    add("token_embd.weight", body.embed_tokens.weight)
+    add("token_embd.weight", body.embed_tokens.weight, quantised=bool(types and "token_embd.weight" in types))  # float32 unless ``types`` names it
     for i, layer in enumerate(body.layers):
         attention, mlp = layer.self_attn, layer.mlp
         projections = [(n, getattr(attention, n)) for n in (*family.qkv, "o_proj")] + [(n, getattr(mlp, n)) for n in (*family.gate_up, "down_proj")]
@@ -250,12 +260,18 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
             if module.bias is not None:
                 add(f"blk.{i}.{GGUF_PROJECTIONS[name]}.bias", module.bias)
         add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
-        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        if family.sandwich:
+            add(f"blk.{i}.post_attention_norm.weight", layer.post_attention_layernorm.weight)
+            add(f"blk.{i}.ffn_norm.weight", layer.pre_feedforward_layernorm.weight)
+            add(f"blk.{i}.post_ffw_norm.weight", layer.post_feedforward_layernorm.weight)
+        else:
+            add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
         if family.qk_norm:
             add(f"blk.{i}.attn_q_norm.weight", attention.q_norm.weight)
             add(f"blk.{i}.attn_k_norm.weight", attention.k_norm.weight)
     add("output_norm.weight", body.norm.weight)
-    add("output.weight", model.lm_head.weight, quantised=True)
+    if not config.tie_word_embeddings:
+        add("output.weight", model.lm_head.weight, quantised=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -266,20 +282,20 @@ def test_gguf_file_runs_on_the_block_products(loaded, tmp_path, monkeypatch):
     """A Qwen3 GGUF file (Q8_0 projections, q/k norms, and a head size that is not hidden / heads,
     which transformers' reader drops and agentspec reads from the file) loads, and its "gguf" and
     "gguf-q16" passes run every projection on the file's blocks in one compiled call (the compiled
-    layers), checked against the loaded model, with greedy speculative == plain. One family: a GGUF load parses the tokenizer for most of a minute; the file's projections
-    are named by arch.GGUF_PROJECTIONS for every family alike."""
+    layers), with greedy speculative == plain. One family here; test_gguf_model.py checks the module
+    tree and its passes against transformers' reading of the file for every family it reads."""
     name = "qwen3"
     monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(tmp_path / "cache"))
     model = family_model(name, loaded.vocab_size, seed=2)
     model.config.tie_word_embeddings = False
     path = tmp_path / f"tiny-{name}.Q8_0.gguf"
     write_gguf(model, loaded.gguf_file, path)
-    read = load_model(path)
-    assert read.model.config.model_type == name and describe(read.model).head_dim == describe(model).head_dim
+    read = load_model(path)  # the file as the model: its module tree (tests/test_gguf_model.py checks it against transformers' reading)
+    assert read.module.config.model_type == name and describe(read.module).head_dim == describe(model).head_dim
     for weights in ("gguf", "gguf-q16"):
         engine = Engine(read, weights=weights)
-        engine.calibrate(repeats=1)  # checks the pass against the loaded model's own forward
-        assert isinstance(engine.forward, BlockPass)
+        engine.calibrate(repeats=1)
+        assert isinstance(engine.forward, BlockPass) and not engine.weights.check_at_start
         assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=12) > 0
 
 

@@ -1,5 +1,6 @@
-"""The GGUF snapshot: the first load of a ``.gguf`` writes what it loaded as safetensors, and later
-loads read it — the same tensors bit for bit, the same tokenizer and chat encoding, the same stops."""
+"""The GGUF snapshot: the first load of a ``.gguf``'s float32 model (``LoadedModel.model``, on
+demand) writes it as safetensors, and later loads read it — the same tensors bit for bit, the same
+tokenizer and chat encoding, the same stops. Loading the file itself (``module``) writes nothing."""
 
 from __future__ import annotations
 
@@ -34,13 +35,17 @@ def test_snapshot_is_written_once_and_loads_the_same_model(loaded: LoadedModel, 
     where = snapshot_path(default_model_path(), torch.float32)
     assert where is not None and where.parent == tmp_path and not where.exists()
 
-    from_gguf = read_model(None, torch.device("cpu"), torch.float32)  # no snapshot here yet: reads the GGUF, writes one
+    from_gguf = read_model(None, torch.device("cpu"), torch.float32)
+    assert not where.exists()  # the file is the model: nothing dequantised, nothing written
+    assert from_gguf.module.get_output_embeddings().weight.device.type == "meta"
+    assert from_gguf.model is not None  # the float32 model: no snapshot here yet, so read from the GGUF, writing one
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in where.iterdir()}
     assert [p.name for p in tmp_path.iterdir()] == [where.name]  # no partial folder left behind
     assert_same_model(from_gguf, loaded)  # the session's model (read from either) is the same
 
     started = time.perf_counter()
     from_snapshot = read_model(None, torch.device("cpu"), torch.float32)
+    from_snapshot.model
     seconds = time.perf_counter() - started
     assert_same_model(from_snapshot, from_gguf)
     assert "gguf" not in from_snapshot.model.config.to_dict().get("quantization_config", {}).get("quant_method", "")
@@ -64,4 +69,5 @@ def test_unwritable_cache_still_loads(tmp_path, monkeypatch, caplog):
     blocker.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "models"))  # a file where the folder would be
     loaded = read_model(None, torch.device("cpu"), torch.float32)
+    assert "could not write" not in caplog.text  # the file alone writes nothing
     assert loaded.model is not None and "could not write the model snapshot" in caplog.text

@@ -4,7 +4,6 @@ the loaded model stays untouched; and greedy speculative == plain with either ke
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -105,7 +104,7 @@ def test_select_weights_measures_caches_and_explains(loaded):
 
 def test_reduced_precision_leaves_out_what_cannot_run(loaded):
     tiny = tiny_model(loaded, seed=4)
-    half = dataclasses.replace(tiny, model=tiny.model.to(torch.bfloat16), dtype=torch.bfloat16)
+    half = tiny.with_model(tiny.model.to(torch.bfloat16), dtype=torch.bfloat16)
     assert "float32" in onednn_supported(half.model)
     auto = select_weights(half.model, KVLayout.of(half.model), "auto")
     assert set(auto.timings_ms) == {"eager", "fused"}  # the fused pass runs on F.linear there
@@ -130,7 +129,7 @@ def test_fused_pass_refuses_what_it_does_not_compute(loaded):
     assert fused_unsupported(LlamaForCausalLM(LlamaConfig(**small, attention_bias=True))) is None  # attention biases: Qwen2's
     with pytest.raises(ModelLoadError, match="weights='fused' cannot run here.*not 'olmo'"):
         olmo = OlmoForCausalLM(OlmoConfig(**{**small, "vocab_size": loaded.vocab_size})).eval()
-        Engine(dataclasses.replace(tiny_model(loaded), model=olmo), weights="fused")
+        Engine(tiny_model(loaded).with_model(olmo), weights="fused")
 
 
 @torch.inference_mode()  # as the engine runs (under autograd, transformers' 1-position attention takes another kernel)

@@ -65,12 +65,13 @@ SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads that ship wi
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [kv_heads, positions, head_dim] each
 
 
-def target_fingerprint(model: Any) -> str:
-    """Identifies a target model's weights, whatever dtype it was loaded in: a hash of its shape and
-    of every 64th row of its input embedding, rounded to bfloat16."""
-    config = model.config
+def target_fingerprint(target: Any) -> str:
+    """Identifies a target model's weights (``target``: a ``LoadedModel``), whatever dtype it was
+    loaded in: a hash of its shape and of every 64th row of its input embedding, rounded to bfloat16."""
+    config = target.module.config
     shape = {key: getattr(config, key, None) for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")}
-    rows = model.get_input_embeddings().weight.detach()[::64].to(device="cpu", dtype=torch.bfloat16)
+    rows = target.input_rows(torch.arange(0, target.module.get_input_embeddings().weight.shape[0], 64))
+    rows = rows.to(device="cpu", dtype=torch.bfloat16)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     digest.update(rows.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:24]
@@ -93,11 +94,11 @@ class HeadConfig:
     format: str = FORMAT
 
     @classmethod
-    def for_target(cls, model: Any, name: str, draft_vocab: int, intermediate_size: int | None = None) -> "HeadConfig":
-        config = model.config
+    def for_target(cls, target: Any, name: str, draft_vocab: int, intermediate_size: int | None = None) -> "HeadConfig":
+        config = target.module.config
         heads = config.num_attention_heads
         return cls(
-            target=target_fingerprint(model),
+            target=target_fingerprint(target),
             target_name=name,
             hidden_size=config.hidden_size,
             num_heads=heads,
@@ -143,7 +144,7 @@ class DraftHead(nn.Module):
         config = self.config
         heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
         tokens = features.shape[0]
-        embedded = F.embedding(next_tokens, self.target.embedding)
+        embedded = self.target.embed(next_tokens)
         x = self.fc(torch.cat([self.norm_feature(features), self.norm_embedding(embedded)], dim=-1))
         qkv = self.qkv(self.norm_attention(x))
         q = qkv[:, : heads * d].view(tokens, heads, d)
@@ -182,12 +183,16 @@ class DraftHead(nn.Module):
 
 
 class _TargetParts:
-    """The target's embedding, rotary embedding and LM-head rows of the draft vocabulary."""
+    """The target's embedding (rows read as the head needs them), rotary embedding and LM-head rows
+    of the draft vocabulary. ``dtype``: what the head computes in (the target's, unless changed)."""
 
     def __init__(self, target: Any, draft_ids: torch.Tensor) -> None:
-        self.embedding = target.get_input_embeddings().weight.detach()
-        self.rotary = target.model.rotary_emb
-        self.lm_rows = target.get_output_embeddings().weight.detach()[draft_ids.to(self.embedding.device)]
+        self.rows, self.dtype = target.input_rows, target.dtype
+        self.rotary = target.module.model.rotary_emb
+        self.lm_rows = target.output_rows(draft_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids).to(self.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -227,10 +232,10 @@ def load_head(folder: str | Path, target: Any, name: str = "the loaded model") -
             "`agentspec train-draft --model ... --out DIR`, or drop `draft=`."
         )
     state = load_file(str(Path(folder) / WEIGHTS_FILE))
-    weight = target.get_output_embeddings().weight
-    head = DraftHead(config, target, state["draft_ids"].to(weight.device))
-    head.load_state_dict({k: v.to(weight.device, weight.dtype if v.is_floating_point() else v.dtype) for k, v in state.items()})
-    return head.to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+    device, dtype = target.device, target.dtype
+    head = DraftHead(config, target, state["draft_ids"].to(device))
+    head.load_state_dict({k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()})
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def shipped_head(target: Any) -> Path | None:

@@ -58,15 +58,15 @@ class DraftSources:
         self.head: DraftHead | None = None  # a trained draft head: given, or shipped for this target
         self.head_path: Path | None = None
         if draft is None:
-            self.head_path = shipped_head(loaded.model)
+            self.head_path = shipped_head(loaded)
             if self.head_path is not None:
-                self.head = load_head(self.head_path, loaded.model, loaded.name)
+                self.head = load_head(self.head_path, loaded, loaded.name)
                 log.info("draft head: %s (shipped for %s)", self.head_path, loaded.name)
         elif draft == NO_MODEL:
             pass
         elif draft.startswith(HEAD_PREFIX):
             self.head_path = Path(draft[len(HEAD_PREFIX) :]).expanduser()
-            self.head = load_head(self.head_path, loaded.model, loaded.name)
+            self.head = load_head(self.head_path, loaded, loaded.name)
         elif draft.startswith(EARLY_EXIT):
             self.draft_model = EarlyExitModel(loaded.model, int(draft[len(EARLY_EXIT) :]))
         elif draft is not None:

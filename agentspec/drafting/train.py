@@ -147,12 +147,12 @@ def train_draft_head(
     coverage = sum(counts[t] for t in ranked[:draft_vocab]) / max(1, sum(counts.values()))
 
     name = loaded.name
-    config = HeadConfig.for_target(loaded.model, name, len(draft_ids))
-    device = loaded.model.get_output_embeddings().weight.device
-    head = DraftHead(config, loaded.model, draft_ids.to(device)).to(device=device, dtype=torch.float32)
+    config = HeadConfig.for_target(loaded, name, len(draft_ids))
+    device = loaded.device
+    head = DraftHead(config, loaded, draft_ids.to(device)).to(device=device, dtype=torch.float32)
     with torch.no_grad():
-        head.norm_out.weight.copy_(loaded.model.get_decoder().norm.weight.float())
-    head.target.embedding, head.target.lm_rows = head.target.embedding.float(), head.target.lm_rows.float()
+        head.norm_out.weight.copy_(loaded.module.get_decoder().norm.weight.float())
+    head.target.dtype, head.target.lm_rows = torch.float32, head.target.lm_rows.float()
 
     started = time.perf_counter()
     steps = _train(head, [sequences[i] for i in train], [features[i] for i in train], epochs, learning_rate, rng, show)

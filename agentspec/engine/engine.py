@@ -45,7 +45,7 @@ from ..errors import ModelLoadError
 from ..model import LoadedModel
 from ..params import GenerationParams
 from ..passes.packed import PackedRow, check_packed, use_packed_attention
-from ..passes.weights import fastest_pass_ms, pass_layout, select_weights
+from ..passes.weights import GGUF_ACTIVATIONS, fastest_pass_ms, pass_layout, select_weights
 from .kv import KVBlock, KVLayout
 from .lengths import CostModel, RowBudget, choose_lengths
 from .prefix import PrefixCache
@@ -124,6 +124,10 @@ class Engine:
     PREFILL_CHUNK = 512  # prompt tokens per pass: a long prompt joining a batch delays the others' step by at most this
     CALIBRATION_SHAPES = (24, 32, 48, 64)  # beyond 1..K+1: the passes of a batch
     CALIBRATION_TOKEN = 100  # any ordinary token: calibration times pass shapes, whatever the text
+    # Seconds of start-up spent measuring pass shapes beyond the first two (1 and the longest
+    # verification): a small model measures them all, a large one the most useful within this and
+    # the rest as they run (a 3B model's 21 shapes took 15 s of start-up, three runs each)
+    CALIBRATION_BUDGET_S = 2.0
 
     def __init__(
         self,
@@ -135,7 +139,9 @@ class Engine:
         weights: str = "auto",
     ) -> None:
         self.loaded = loaded
-        self.model = loaded.model
+        # the module tree the block passes read (a GGUF file's holds no float weights); passes on
+        # float weights, asked for by name, take the float model (dequantised on first use)
+        self.model = loaded.module if weights == "auto" or weights in GGUF_ACTIVATIONS else loaded.model
         self.device = loaded.device
         use_packed_attention(self.model)
         self.layout = KVLayout.of(self.model)
@@ -161,9 +167,9 @@ class Engine:
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False) -> None:
         """Check the packed attention against the model's own (where the pass asks for it:
-        ``SelectedWeights.check_at_start``), then measure every pass shape (which also warms the
-        kernels up). The fastest of ``repeats`` runs is kept: interference from other
-        processes only adds time.
+        ``SelectedWeights.check_at_start``), then measure the pass shapes, most useful first, for
+        ``CALIBRATION_BUDGET_S`` beyond the first two (which also warms the kernels up). The fastest
+        of ``repeats`` runs is kept: interference from other processes only adds time.
 
         reuse: where an engine of this process already calibrated the same model, pass and shapes,
           start from its measurements instead (a second client on a loaded model starts without
@@ -185,20 +191,30 @@ class Engine:
             ) from exc
         token = self.CALIBRATION_TOKEN
         block = KVBlock(self.layout)
+        started = time.perf_counter()
         self.forward([PackedRow(block, list(range(token, token + context)), 1)])
-        for positions in self._calibrate_shapes:
+        for index, positions in enumerate(self._calibration_order()):
+            if index >= 2 and time.perf_counter() - started > self.CALIBRATION_BUDGET_S:
+                break  # the rest are measured as passes of those shapes run (CostModel.record)
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
         # What each further sequence adds to a pass: one token each of ``segments`` sequences against
-        # one sequence of ``segments`` tokens (same positions, same linear layers).
-        segments = 8
+        # one sequence of ``segments`` tokens (same positions, same linear layers), over a short past.
+        segments, past = 8, min(context, 16)
         blocks = [KVBlock(self.layout) for _ in range(segments)]
-        self.forward([PackedRow(b, list(range(token, token + context)), 1) for b in blocks])
+        self.forward([PackedRow(b, list(range(token, token + past)), 1) for b in blocks])
         ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
         self.costs.segment_ms = max(0.0, (ms - self.costs.cost(segments)) / (segments - 1))
         measured = CostModel(self.costs.max_positions)
         measured.copy_from(self.costs)
         with _calibrations_lock:
             _calibrations.setdefault(self.model, {})[key] = measured
+
+    def _calibration_order(self) -> list[int]:
+        """The shapes to measure, most useful first: a plain step and the longest verification, the
+        powers of two between, the batch shapes, then the rest."""
+        shapes, longest = self._calibrate_shapes, self._calibrate_shapes[: -len(self.CALIBRATION_SHAPES)][-1]
+        first = [1, longest, *(p for p in (2, 4, 8, 16, 32) if p < longest), *self.CALIBRATION_SHAPES]
+        return list(dict.fromkeys([*first, *shapes]))
 
     def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
         """The fastest of ``repeats`` runs of one pass over ``rows`` (rolled back after each), in ms."""

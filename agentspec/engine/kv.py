@@ -36,7 +36,9 @@ class KVLayout:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         weight = model.get_output_embeddings().weight
-        return cls(config.num_hidden_layers, kv_heads, head_dim, weight.dtype, weight.device)
+        # a GGUF file's module tree keeps its weights in the file (meta device) and runs on the CPU
+        device = torch.device("cpu") if weight.device.type == "meta" else weight.device
+        return cls(config.num_hidden_layers, kv_heads, head_dim, weight.dtype, device)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype]:

@@ -21,7 +21,10 @@ the mapping, so the file's pages are the memory.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +99,37 @@ class GGUFFile:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
+    def read_rows(self, tensor: GGUFTensor, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of ``tensor`` (outermost index) as a copy: bytes ``[len(rows), bytes a row]``
+        (quantised types) or elements. Read with ``pread`` rather than through the mapping, whose
+        every fault maps 64 KiB around it: scattered rows (an embedding's lookups) would make the
+        whole tensor resident."""
+        if not (0 <= rows).all() or not (rows < tensor.shape[0]).all():
+            raise IndexError(f"rows of {tensor.name} are 0..{tensor.shape[0] - 1}")
+        data = tensor.data
+        if not hasattr(os, "pread"):
+            return data[rows]
+        row_bytes = tensor.nbytes // tensor.shape[0]
+        out = np.empty((len(rows), *data.shape[1:]), data.dtype)
+        view = out.reshape(len(rows), -1).view(np.uint8)
+        with open(self.path, "rb", buffering=0) as file:
+            for index, row in enumerate(rows.tolist()):
+                view[index] = np.frombuffer(os.pread(file.fileno(), row_bytes, tensor.offset + row * row_bytes), np.uint8)
+        return out
+
+    def release(self, tensor: GGUFTensor, rows: slice = slice(None)) -> None:
+        """Let go of the pages of the mapping that ``tensor``'s ``rows`` (outermost index) lie on: they
+        leave the process's resident memory (staying in the page cache), and reading them again maps
+        them again. For tensors read once into another layout (the block products')."""
+        if not (hasattr(self.mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED")):
+            return
+        row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
+        first, last, _ = rows.indices(tensor.shape[0] if tensor.shape else 1)
+        start = (tensor.offset + first * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = tensor.offset + last * row_bytes
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def scalars(self) -> dict[str, Any]:
         """The metadata without its arrays (the tokenizer's vocabulary, merges, scores)."""
         return {key: value for key, value in self.metadata.items() if not isinstance(value, (list, np.ndarray))}
@@ -153,9 +187,31 @@ class _Cursor:
         raise self.fail(f"{what} is an array of an unknown value type {item}")
 
 
+# Files read and alive, by identity (path, inode, size, modification time): reading one again (the
+# loader, then the block passes) maps and parses it once
+_opened: "weakref.WeakValueDictionary[tuple, GGUFFile]" = weakref.WeakValueDictionary()
+_opened_lock = threading.Lock()
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
-    """The GGUF file at ``path``, read and checked (``ModelLoadError`` naming what is wrong)."""
+    """The GGUF file at ``path``, read and checked (``ModelLoadError`` naming what is wrong); the
+    same object while one of this file, unchanged, is alive."""
     path = Path(path)
+    try:
+        stat = path.stat()
+        identity = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {path} ({exc}); check the path and its permissions.") from exc
+    with _opened_lock:
+        found = _opened.get(identity)
+    if found is not None:
+        return found
+    gguf = _parse(path)
+    with _opened_lock:
+        return _opened.setdefault(identity, gguf)
+
+
+def _parse(path: Path) -> GGUFFile:
     try:
         with open(path, "rb") as file:
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""

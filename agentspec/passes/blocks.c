@@ -1020,6 +1020,19 @@ INLINE v16 exp16(v16 x) {
 INLINE v16 tanh16(v16 u) { return v16_sub(v16_set1(1.0f), v16_div(v16_set1(2.0f), v16_add(exp16(v16_add(u, u)), v16_set1(1.0f)))); }
 
 static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
+    if (w->next) { /* parts of different kinds: each part's product, its outputs copied into their columns */
+        float *part = malloc(sizeof(float) * (size_t)M * N);
+        int at = 0;
+        for (const agentspec_blocks *p = w; p; p = p->next) {
+            agentspec_blocks one = *p;
+            one.next = NULL;
+            blocks_product(&one, x, M, K, part, p->outputs, threads);
+            for (int m = 0; m < M; m++) memcpy(y + (size_t)m * N + at, part + (size_t)m * p->outputs, sizeof(float) * (size_t)p->outputs);
+            at += p->outputs;
+        }
+        free(part);
+        return;
+    }
     switch (w->kind) {
     case 0: agentspec_q4_1_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;

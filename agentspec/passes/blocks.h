@@ -10,9 +10,13 @@
 
 #define INTEGER_KIND 4 /* blocks.py: _blocks_arg */
 
-typedef struct {
+typedef struct agentspec_blocks {
     int kind;               /* 0: Q4_1, 1: Q8_0, 2: Q8_16, 3: Q8_1, on float32 rows; INTEGER_KIND + an integer layout (INT_LAYOUT) */
     const void *few, *many; /* float32 rows: the blocks grouped for products of few and of many rows; integer rows: few, by lanes */
+    /* A product of parts of different kinds (Q4_K_M's q and k in Q4_K, v in Q6_K): this part's
+       outputs, the next part's blocks (their outputs follow), or NULL (one part: all outputs) */
+    int outputs;
+    const struct agentspec_blocks *next;
 } agentspec_blocks;
 
 typedef struct {

@@ -44,12 +44,13 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..gguf import GGUFTensor, read_gguf
+from ..gguf import GGUFFile, GGUFTensor, read_gguf
+from ..gguf.modules import weights_on_meta
 from ..model import cache_dir
 from .arch import GGUF_PROJECTIONS, describe
 from .fused import FusedPass, Linear, LinearFactory, fused_unsupported
@@ -173,7 +174,12 @@ def _compiler() -> str | None:
 
 # The C side's structs (blocks.c): one product's blocks, one layer, one sequence's part of a pass.
 class _BlocksArg(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("few", ctypes.c_void_p), ("many", ctypes.c_void_p)]
+    pass
+
+
+_BlocksArg._fields_ = [
+    ("kind", ctypes.c_int), ("few", ctypes.c_void_p), ("many", ctypes.c_void_p), ("outputs", ctypes.c_int), ("next", ctypes.POINTER(_BlocksArg)),
+]
 
 
 class _LayerArg(ctypes.Structure):
@@ -349,10 +355,35 @@ def blocks_unsupported(model: Any, gguf_file: Path | None, activations: str = "f
     if reason is not None:
         return reason
     weight = model.get_output_embeddings().weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type not in ("cpu", "meta") or weight.dtype != torch.float32:  # meta: a module tree of the file (gguf/modules.py)
         return f"the GGUF block kernels take float32 rows on a CPU (the model is {weight.dtype} on {weight.device})"
     kernels = _kernels(isa)
     return kernels if isinstance(kernels, str) else None
+
+
+def integer_layout_of(kind: str, has_factors: bool, factored: bool, low: int, high: int) -> IntegerLayout | str:
+    """How the integer products read blocks of ``kind`` (``Blocks.integer_layout``) whose scales
+    (or minimums) are not all float16 values (``factored``) and whose codes span ``low..high``
+    (``Blocks.code_statistics``; a matrix read in runs of rows: any run's, the least, the largest), or
+    why they cannot; ``has_factors``: they keep a K-quant's factors."""
+    if kind == "Q8_16":  # Q6_K's: a scale per 16 weights, 8-bit factors of the super-block's
+        if low < -32 or high > 31:
+            return f"the integer products take blocks with a scale per 16 weights in codes of up to 6 bits, and these span {low}..{high}"
+        factored = True
+    elif kind == "Q8_1" and high > 31:
+        return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
+    if factored and not has_factors:
+        if kind == "Q8_16":
+            return "the integer products take a scale per 16 weights only as a K-quant's 8-bit factors of a float16 one (Q6_K's), and these blocks have none"
+        return "the integer products take scales that are float16 values or a K-quant's 8-bit factors of one, and these are neither"
+    if kind == "Q4_1":
+        return IntegerLayout("4-bit", True, factored)
+    if kind == "Q8_16":
+        return IntegerLayout("6-bit", False, True, True)
+    if kind == "Q8_1":
+        return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, factored)
+    fits = [codes for codes in ("4-bit", "5-bit") if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
+    return IntegerLayout(fits[0] if fits else "bytes", False, False)
 
 
 @dataclass(frozen=True)
@@ -413,29 +444,17 @@ class Blocks:
 
     @functools.cached_property
     def _integer_layout(self) -> IntegerLayout | str:
+        return integer_layout_of(self.kind, self.factors is not None, *self.code_statistics())
+
+    def code_statistics(self) -> tuple[bool, int, int]:
+        """What the integer layout depends on (``integer_layout_of``): whether a scale (or minimum)
+        is not a float16 value, and the smallest and largest code."""
         values = (self.scales, self.mins) if self.has_mins else (self.scales,)
         factored = not all(torch.equal(v.to(torch.float16).float(), v) for v in values)
         low, high = (int(v) for v in torch.aminmax(self.codes)) if self.codes.numel() else (0, 0)
-        if self.kind == "Q8_16":  # Q6_K's: a scale per 16 weights, 8-bit factors of the super-block's
-            if low < -32 or high > 31:
-                return f"the integer products take blocks with a scale per 16 weights in codes of up to 6 bits, and these span {low}..{high}"
-            factored = True
-        elif self.kind == "Q8_1" and high > 31:
-            return f"the integer products take unsigned codes of up to 5 bits with minimums, and these reach {high}"
-        if factored and self.factors is None:
-            if self.kind == "Q8_16":
-                return "the integer products take a scale per 16 weights only as a K-quant's 8-bit factors of a float16 one (Q6_K's), and these blocks have none"
-            return "the integer products take scales that are float16 values or a K-quant's 8-bit factors of one, and these are neither"
-        if self.kind == "Q4_1":
-            return IntegerLayout("4-bit", True, factored)
-        if self.kind == "Q8_16":
-            return IntegerLayout("6-bit", False, True, True)
-        if self.kind == "Q8_1":
-            return IntegerLayout("4-bit" if high <= 15 else "5-bit", True, factored)
-        fits = [codes for codes in ("4-bit", "5-bit") if -INTEGER_OFFSETS[codes] <= low and high < INTEGER_OFFSETS[codes]]
-        return IntegerLayout(fits[0] if fits else "bytes", False, False)
+        return factored, low, high
 
-    def by_lanes(self, lanes: int) -> torch.Tensor:
+    def by_lanes(self, lanes: int, layout: IntegerLayout | None = None) -> torch.Tensor:
         """The blocks as the integer products of ``blocks.c`` read them (``integer_layout``), ``lanes``
         outputs to a register (the level's: 16 on AVX-512, 8 on AVX2): outputs in groups of
         ``lanes`` (the last padded with zeros); per group, its blocks in input order, each its codes as
@@ -446,26 +465,27 @@ class Blocks:
         they multiply (d, then -dmin): ``[groups, bytes per group]``. Register j, lane o: output o's codes
         4j..4j+3 as bytes (plus 128); or, 4-, 5- and 6-bit codes, the bytes holding codes 4j..4j+3 in
         their low nibbles and 16+4j.. in their high ones (registers 0..3), then the fifth bits
-        (register 4: bit 8i + j is code 4j + i's) and the sixth (register 5, arranged the same)."""
-        layout = self.integer_layout()
+        (register 4: bit 8i + j is code 4j + i's) and the sixth (register 5, arranged the same).
+        ``layout``: the one to write (a run of a matrix's rows takes the matrix's), default theirs."""
+        layout = layout or self.integer_layout()
         if isinstance(layout, str):
             raise NotImplementedError(layout)
         outputs, blocks = self.codes.shape[:2]
         groups = -(-outputs // lanes)
         pad = groups * lanes - outputs
-        if self.kind == "Q4_1":
-            codes = torch.cat([self.codes & 15, self.codes >> 4], dim=-1).to(torch.int16)  # [outputs, blocks, 32]
-        else:
-            codes = self.codes.to(torch.int16) + (0 if layout.mins else INTEGER_OFFSETS[layout.codes])  # unsigned
-        if layout.codes == "bytes":
-            stored = codes.to(torch.uint8)
-        else:
-            stored = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)  # as the file packs 4-bit codes
-            index = torch.arange(BLOCK)
-            for bit in range(4, 4 + INTEGER_CODES.index(layout.codes) - 1):  # 5-bit: bit 4; 6-bit: bits 4 and 5
-                bits = (((codes.to(torch.int64) >> bit) & 1) << (8 * (index % 4) + index // 4)).sum(-1)  # [outputs, blocks]
-                stored = torch.cat([stored, torch.stack([(bits >> (8 * k)) & 255 for k in range(4)], dim=-1)], dim=-1)
-            stored = stored.to(torch.uint8)
+        if self.kind == "Q4_1":  # (always 4-bit) byte j holds codes j and j + 16 already, as the file packs them
+            stored = self.codes
+        else:  # unsigned: the offset added in bytes (wrapping as two's complement does)
+            codes = self.codes.view(torch.uint8) + (0 if layout.mins else INTEGER_OFFSETS[layout.codes])  # [outputs, blocks, 32]
+            if layout.codes == "bytes":
+                stored = codes
+            else:
+                parts = [(codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)]  # as the file packs 4-bit codes
+                shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+                for bit in range(4, 4 + INTEGER_CODES.index(layout.codes) - 1):  # 5-bit: bit 4; 6-bit: bits 4 and 5
+                    high = ((codes >> bit) & 1).view(*codes.shape[:-1], 8, 4)  # [.., j, i]: code 4j + i's bit
+                    parts.append((high << shifts).sum(-2, dtype=torch.uint8))  # byte i, bit j: code 4j + i's
+                stored = torch.cat(parts, dim=-1)
         stored = torch.cat([stored, stored.new_zeros(pad, *stored.shape[1:])])
         registers = stored.shape[-1] // 4  # 8 (bytes), 4 (4-bit), 5 (5-bit) or 6 (6-bit)
         parts = [stored.view(groups, lanes, blocks, registers, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)]
@@ -492,6 +512,10 @@ class Blocks:
 
     def rows(self, order: torch.Tensor) -> "Blocks":
         return Blocks(self.kind, *(None if t is None else t[order].contiguous() for t in (self.codes, self.scales, self.mins, self.factors, self.supers)))
+
+    def slice(self, start: int, stop: int) -> "Blocks":
+        """Outputs ``start`` .. ``stop - 1`` (views)."""
+        return Blocks(self.kind, *(None if t is None else t[start:stop] for t in (self.codes, self.scales, self.mins, self.factors, self.supers)))
 
     @staticmethod
     def stack(parts: Sequence["Blocks"]) -> "Blocks":
@@ -573,12 +597,131 @@ def _read(tensor: GGUFTensor) -> Blocks | None:
     return tensor_blocks(tensor.type_name, tensor.data)
 
 
+# The kind of blocks each GGUF type is read into (``tensor_blocks``)
+READ_AS = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q4_1", "Q4_K": "Q4_1", "Q5_1": "Q8_1", "Q5_K": "Q8_1", "Q6_K": "Q8_16"}
+# Weights of a run of rows read at a time while a product's layout is built: the transient memory of a
+# build is a few times this many bytes, whatever the matrix (a 151,936-row LM head included)
+RUN_WEIGHTS = 1 << 22
+RUN_ALIGN = 64  # a run's rows: a multiple of every level's lanes and of GROUPS
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """A matrix of a mapped GGUF file, read into blocks in runs of rows (``slice``) while a product's
+    layout is built, its pages of the file let go after (``release``): the product's layout is the
+    only copy of the weights that stays in memory, and no whole matrix is ever converted at once.
+    ``heads``: llama.cpp's converter interleaved the rotary halves of each of this many heads' rows
+    (undone as they are read)."""
+
+    tensor: GGUFTensor
+    heads: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return READ_AS[self.tensor.type_name]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tensor.shape[0], self.tensor.shape[1]
+
+    def slice(self, start: int, stop: int) -> Blocks:
+        """Outputs ``start`` .. ``stop - 1`` as blocks (read from the file)."""
+        kind, data = self.tensor.type_name, self.tensor.data
+        if self.heads is None:
+            blocks = tensor_blocks(kind, data[start:stop])
+        else:
+            per = self.shape[0] // self.heads  # a head's rows: the interleaving stays within them
+            first, last = start // per * per, -(-stop // per) * per
+            blocks = _unpermuted(tensor_blocks(kind, data[first:last]), (last - first) // per).slice(start - first, stop - first)
+        self.tensor.file.release(self.tensor, slice(start, stop))  # converted: the file's pages may go
+        return blocks
+
+    def dequantised_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as float32 weights (an embedding's: its rows in the file's order), read from
+        the file (``GGUFFile.read_rows``) without mapping its pages."""
+        return tensor_blocks(self.tensor.type_name, self.tensor.file.read_rows(self.tensor, ids.cpu().numpy())).dequantised()
+
+    def release(self) -> None:
+        """Let go of the matrix's pages of the file (a product built on it no longer reads them)."""
+        self.tensor.file.release(self.tensor)
+
+
+Part = Blocks | FileBlocks
+
+
+def _run(parts: Sequence[Part], first: int, last: int) -> Blocks:
+    """Outputs ``first`` .. ``last - 1`` of the outputs of ``parts`` in turn (one kind), as blocks."""
+    pieces, start = [], 0
+    for part in parts:
+        stop = start + part.shape[0]
+        if start < last and stop > first:
+            pieces.append(part.slice(max(first, start) - start, min(last, stop) - start))
+        start = stop
+    return pieces[0] if len(pieces) == 1 else Blocks.stack(pieces)
+
+
+def _run_rows(inputs: int) -> int:
+    return max(RUN_ALIGN, RUN_WEIGHTS // inputs // RUN_ALIGN * RUN_ALIGN)
+
+
+class _Relayout(Exception):
+    """A run's blocks need another integer layout than the runs before them took."""
+
+
+def _by_runs(parts: Sequence[Part], group: int, layout_of: Callable[[Blocks], torch.Tensor]) -> torch.Tensor:
+    """``layout_of`` (a layout in groups of ``group`` outputs, ``[groups, ...]``) of the outputs of
+    ``parts`` in turn, built in runs of rows into one tensor."""
+    outputs = sum(part.shape[0] for part in parts)
+    rows = _run_rows(parts[0].shape[1])
+    out, group_at = None, 0
+    for first in range(0, outputs, rows):
+        piece = layout_of(_run(parts, first, min(first + rows, outputs)))
+        if out is None:
+            out = torch.empty(-(-outputs // group), *piece.shape[1:], dtype=piece.dtype)
+        out[group_at : group_at + piece.shape[0]] = piece
+        group_at += piece.shape[0]
+    return out
+
+
+def _by_lanes_of_runs(parts: Sequence[Part], lanes: int) -> tuple[torch.Tensor, IntegerLayout]:
+    """``Blocks.by_lanes`` of the outputs of ``parts`` in turn, built in runs of rows, and the layout:
+    the one their codes and scales take together (``integer_layout_of``). Each run is written in the
+    layout of the runs so far; a run that needs a wider one (larger codes, scales that are not
+    float16 values) starts the build again in it — the layouts only widen, and a matrix's runs
+    nearly always agree, so the file is nearly always read once. ``NotImplementedError`` where the
+    integer products cannot take them."""
+    kind, statistics, factors = parts[0].kind, None, True
+    while True:
+        layout: IntegerLayout | None = None
+
+        def layout_of(run: Blocks) -> torch.Tensor:
+            nonlocal layout, statistics, factors
+            found = run.code_statistics()
+            statistics = found if statistics is None else (statistics[0] or found[0], min(statistics[1], found[1]), max(statistics[2], found[2]))
+            factors = factors and run.factors is not None
+            wanted = integer_layout_of(kind, factors, *statistics)
+            if isinstance(wanted, str):
+                raise NotImplementedError(wanted)
+            if layout is not None and wanted != layout:
+                raise _Relayout
+            layout = wanted
+            return run.by_lanes(lanes, wanted)
+
+        try:
+            return _by_runs(parts, lanes, layout_of), layout
+        except _Relayout:
+            continue  # again, from the first run, with what the runs so far need (kept in ``statistics``)
+
+
 def _gguf_names(model: Any) -> list[tuple[str, torch.Tensor, int | None]]:
     """(GGUF tensor name, the loaded weight, heads whose rows llama.cpp's converter may have
-    interleaved) of each projection the family's block has (``arch.py``)."""
+    interleaved) of each projection the family's block has (``arch.py``), and of the input embedding
+    where the module tree has none (its rows are read from the blocks: ``GGUFBlocks.embedding``)."""
     arch = describe(model)
     family = arch.family
     names = []
+    if weights_on_meta(model):
+        names.append(("token_embd.weight", model.get_input_embeddings().weight, None))
     for i, layer in enumerate(model.model.layers):
         attention, mlp = layer.self_attn, layer.mlp
         modules = [(name, getattr(attention, name)) for name in (*family.qkv, "o_proj")]
@@ -608,23 +751,34 @@ def _agrees(blocks: Blocks, weight: torch.Tensor) -> bool:
     return blocks.shape == tuple(weight.shape) and torch.equal(blocks.rows(rows).dequantised(), weight.detach()[rows])
 
 
-def read_blocks(model: Any, gguf_file: Path) -> dict[int, Blocks]:
-    """``model``'s linear weights as ``gguf_file`` stores them, by id of the loaded weight, each
-    checked to dequantise to it bit for bit on a sample of rows (``_agrees``; ``NotImplementedError``
-    where one does not, or where none has blocks). ``GGUFBlocks`` takes them, so that passes built
-    together read the file once."""
-    tensors = read_gguf(gguf_file).tensors
-    found: dict[int, Blocks] = {}
+def read_blocks(model: Any, gguf_file: Path | GGUFFile) -> dict[int, Part]:
+    """``model``'s linear weights as ``gguf_file`` (a path, or the file read) stores them, by id of
+    the loaded weight, each checked to dequantise to it bit for bit on a sample of rows (``_agrees``;
+    ``NotImplementedError`` where one does not, or where none has blocks). A module tree's weights
+    (on the meta device: nothing to check against) take llama.cpp's layout by rule: a family whose
+    rows the converter interleaves (``Family.gguf_permuted``) has them un-interleaved, as
+    transformers' reader does, and they are read from the file as their products are built
+    (``FileBlocks``). ``GGUFBlocks`` takes them, so that passes built together read the file once."""
+    gguf = gguf_file if isinstance(gguf_file, GGUFFile) else read_gguf(gguf_file)
+    gguf_file, tensors = gguf.path, gguf.tensors
+    found: dict[int, Part] = {}
     unread: dict[str, list[str]] = {}  # matrices of types the kernels do not read, by type
     for name, weight, heads in _gguf_names(model):
         tensor = tensors.get(name) or (tensors.get("token_embd.weight") if name == "output.weight" else None)
+        if id(weight) in found:
+            continue  # the LM head tied to the input embedding
         if tensor is None:
             raise NotImplementedError(f"{gguf_file.name} has no tensor {name}")
-        blocks = _read(tensor)
-        if blocks is None:  # float or another block type: oneDNN takes this weight, as float32
+        if tensor.type_name not in GGUF_TYPES:  # float or another block type: oneDNN takes this weight, as float32
             if tensor.type_name not in FLOAT_TYPES:
                 unread.setdefault(tensor.type_name, []).append(tensor.name)
             continue
+        if weight.device.type == "meta":  # a module tree's: read when its product is built
+            if tensor.shape != tuple(weight.shape):
+                raise NotImplementedError(f"{gguf_file.name}'s {name} has shape {tensor.shape}, the model's {tuple(weight.shape)}")
+            found[id(weight)] = FileBlocks(tensor, heads)
+            continue
+        blocks = _read(tensor)
         with torch.no_grad():
             candidates = [blocks] if heads is None else [_unpermuted(blocks, heads), blocks]
             match = next((b for b in candidates if _agrees(b, weight)), None)
@@ -666,20 +820,48 @@ class GGUFBlocks:
         self.fallback, self.activations = fallback, activations
         self.blocks = read_blocks(model, gguf_file) if blocks is None else blocks  # id(loaded weight) -> its blocks
         self.kinds = sorted({b.kind for b in self.blocks.values()})
+        embedding = self.blocks.get(id(model.get_input_embeddings().weight)) if weights_on_meta(model) else None
+        # A module tree's input embedding: the rows a pass needs, dequantised from the file's blocks
+        # (as transformers' reader dequantises them: the same float32 bits)
+        self.embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if isinstance(embedding, FileBlocks):
+            self.embedding = embedding.dequantised_rows
+        elif embedding is not None:
+            self.embedding = lambda ids: embedding.rows(ids).dequantised()
 
     @property
     def nbytes(self) -> int:
-        """Bytes a pass streams from the blocks (codes, float32 scales and minimums)."""
-        return sum(b.codes.nbytes + b.scales.nbytes + (b.mins.nbytes if b.has_mins else 0) for b in self.blocks.values())
+        """Bytes of the blocks as read (codes, float32 scales and minimums; a matrix still in the file:
+        its bytes there)."""
+        return sum(b.tensor.nbytes if isinstance(b, FileBlocks) else b.codes.nbytes + b.scales.nbytes + (b.mins.nbytes if b.has_mins else 0) for b in self.blocks.values())
 
     def linear(self, weights: Sequence[torch.Tensor]) -> Linear:
-        """``x @ W.T`` for ``weights`` stacked along their outputs."""
+        """``x @ W.T`` for ``weights`` stacked along their outputs (a matrix still in the file is read
+        in runs of rows, and its pages of the file let go once the product has its layout)."""
         parts = [self.blocks.get(id(w)) for w in weights]
-        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        if any(p is None for p in parts):
             return self.fallback(weights)
-        stacked = Blocks.stack(parts)
-        activations = "float32" if self.activations in INTEGER_ACTIVATIONS and stacked.integer_unsupported() else self.activations
-        return block_product(stacked, self.kernels, activations)
+        if len({p.kind for p in parts}) != 1:  # e.g. Q4_K_M's q, k (Q4_K) and v (Q6_K): a product per run of one kind
+            runs: list[list[Part]] = []
+            for part in parts:
+                if runs and runs[-1][0].kind == part.kind:
+                    runs[-1].append(part)
+                else:
+                    runs.append([part])
+            return StackedProduct([self._product(run) for run in runs])
+        return self._product(parts)
+
+    def _product(self, parts: Sequence[Part]) -> "BlockProduct":
+        try:
+            product = BlockProduct(parts, self.kernels, self.activations)
+        except NotImplementedError:  # blocks the integer products do not take (Blocks.integer_layout says why): float32 rows
+            if self.activations not in INTEGER_ACTIVATIONS:
+                raise
+            product = BlockProduct(parts, self.kernels, "float32")
+        for part in parts:
+            if isinstance(part, FileBlocks):
+                part.release()
+        return product
 
 
 class BlockProduct:
@@ -687,23 +869,24 @@ class BlockProduct:
     ``activations="q8"`` (``"q16"``), on the rows quantised to 8 (16) bits per block of 32 (``blocks.c``).
     ``kernels``: ``block_kernels(isa)`` of the level to run on (default: the fastest here)."""
 
-    def __init__(self, blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> None:
+    def __init__(self, blocks: Blocks | Sequence[Part], kernels: ctypes.CDLL | None = None, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        parts = [blocks] if isinstance(blocks, Blocks) else list(blocks)  # several: their outputs in turn
         kernels = kernels or block_kernels()
-        self.kind, self.activations, self.isa = blocks.kind, activations, kernels.isa
+        self.kind, self.activations, self.isa = parts[0].kind, activations, kernels.isa
         self.layout: IntegerLayout | None = None  # how the integer products read the blocks
         if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads a register's outputs' blocks as one run of memory
-            self.few, self.many = blocks.by_lanes(kernels.lanes), None  # NotImplementedError where integer_layout says why not
-            self.layout = blocks.integer_layout()
+            self.few, self.layout = _by_lanes_of_runs(parts, kernels.lanes)  # NotImplementedError where integer_layout_of says why not
+            self.many = None
             self.function = functools.partial(kernels.agentspec_int_product, self.layout.number(activations))
         else:
             # Two copies of the blocks, grouped for products of one or two rows and for more: one row
             # streams its tile of 8 outputs' blocks as one run of memory (about twice the bandwidth of
             # three runs per output), but the 2- and 4-output tiles of more rows read groups of 8 slower.
-            self.few, self.many = (blocks.grouped(group) for group in GROUPS)
-            self.function = getattr(kernels, _SYMBOLS[blocks.kind])
-        self.outputs, self.inputs = blocks.shape
+            self.few, self.many = (_by_runs(parts, group, lambda run, group=group: run.grouped(group)) for group in GROUPS)
+            self.function = getattr(kernels, _SYMBOLS[self.kind])
+        self.outputs, self.inputs = sum(part.shape[0] for part in parts), parts[0].shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -721,15 +904,40 @@ class BlockProduct:
         return out.reshape(*x.shape[:-1], outputs)
 
 
+class StackedProduct:
+    """``x @ W.T`` where W's outputs are parts of different kinds of blocks, one ``BlockProduct`` each
+    (their outputs in turn): row-invariant as each is. The compiled layers take it as a chain of
+    parts (blocks.h: agentspec_blocks.next)."""
+
+    def __init__(self, products: Sequence[BlockProduct]) -> None:
+        self.products = list(products)
+        self.outputs, self.inputs = sum(p.outputs for p in self.products), self.products[0].inputs
+        self.isa = self.products[0].isa
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.products)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([product(x) for product in self.products], dim=-1)
+
+
 def block_product(blocks: Blocks, kernels: ctypes.CDLL | None = None, activations: str = "float32") -> Linear:
     """``x @ W.T`` ([rows, in] float32 → [rows, out]) on ``blocks``, with the compiled kernels."""
     return BlockProduct(blocks, kernels, activations)
 
 
-def _blocks_arg(product: BlockProduct) -> _BlocksArg:
-    # blocks.c: agentspec_blocks.kind
+def _blocks_arg(product: BlockProduct | StackedProduct, keep: list[_BlocksArg]) -> _BlocksArg:
+    """blocks.h's agentspec_blocks of ``product``; a stacked one's later parts are appended to
+    ``keep``, which must outlive the call that reads them."""
+    if isinstance(product, StackedProduct):
+        first, *rest = (_blocks_arg(part, keep) for part in product.products)
+        keep.extend(rest)
+        for arg, following in zip([first, *rest], rest):
+            arg.next = ctypes.pointer(following)
+        return first
     kind = BLOCK_TYPES.index(product.kind) if product.layout is None else INTEGER_KIND + product.layout.number(product.activations)
-    return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr())
+    return _BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr(), product.outputs, None)
 
 
 class BlockPass(FusedPass):
@@ -753,11 +961,11 @@ class BlockPass(FusedPass):
         reason = describe(model).compiled
         if reason is not None:
             raise NotImplementedError(reason)
-        super().__init__(model, blocks.linear)
+        super().__init__(model, blocks.linear, blocks.embedding)
         if self.head_dim % 16 or self.head_dim > 128 or self.heads % self.kv_heads:
             raise NotImplementedError(f"the compiled layers take head dims of 16..128 in steps of 16, not {self.head_dim}")
         products = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
-        if not all(isinstance(product, BlockProduct) for four in products for product in four):
+        if not all(isinstance(product, (BlockProduct, StackedProduct)) for four in products for product in four):
             raise NotImplementedError(f"not every linear product of the decoder layers has blocks of one type ({', '.join(GGUF_TYPES)}) in the file")
         self.scaling = self.layers[0].spec.scaling
         if any(layer.spec.scaling != self.scaling for layer in self.layers):
@@ -780,12 +988,13 @@ class BlockPass(FusedPass):
             return None if tensor is None else tensor.data_ptr()
 
         gelu = self.arch.activation == "gelu_pytorch_tanh"
+        self._chains: list[_BlocksArg] = []  # the later parts of stacked products, which the layers' arguments point at
 
         self.layer_args = (_LayerArg * len(self.layers))(
             *(
                 _LayerArg(
                     layer.norm1.weight.data_ptr(), layer.norm2.weight.data_ptr(), layer.norm1.eps, layer.norm2.eps,
-                    *(_blocks_arg(product) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                    *(_blocks_arg(product, self._chains) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     pointer(layer.qkv_bias), pointer(layer.q_norm and layer.q_norm.weight), pointer(layer.k_norm and layer.k_norm.weight),
                     layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0,
                     0 if layer.spec.rope is None else 1 + self.ropes.index(layer.spec.rope),  # 1 + its table's index in the stacked angles

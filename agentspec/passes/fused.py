@@ -110,7 +110,7 @@ class _Layer:
             self.o = linear([attention.o_proj.weight])
             self.down = linear([mlp.down_proj.weight])
         biased = any(p.bias is not None for p in projections)
-        self.qkv_bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in projections]) if biased else None
+        self.qkv_bias = torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.weight.shape[0], dtype=layer.input_layernorm.weight.dtype, device=layer.input_layernorm.weight.device) for p in projections]) if biased else None
         self.o_bias = None if attention.o_proj.bias is None else attention.o_proj.bias.detach()
 
 
@@ -118,7 +118,7 @@ class FusedPass:
     """A target pass (rows in, each row's kept logits out) computed from a model's weights, as its
     ``Architecture`` (``arch.describe``) says the block computes."""
 
-    def __init__(self, model: Any, linear: LinearFactory) -> None:
+    def __init__(self, model: Any, linear: LinearFactory, embedding: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.arch = arch = describe(model)
         body = model.model
         self.model = model
@@ -126,7 +126,10 @@ class FusedPass:
         self.intermediate = arch.intermediate
         self.activation = ACTIVATIONS[arch.activation]
         self.embed = body.embed_tokens.weight
-        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=self.embed.dtype, device=self.embed.device)
+        # the rows of the input embedding for token ids: the module's weight, or (a module tree of a
+        # GGUF file, whose weights are not in its modules) ``embedding``
+        self.embedding_rows = embedding or (lambda ids: F.embedding(ids, self.embed))
+        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale, dtype=body.norm.weight.dtype, device=body.norm.weight.device)
         self.rotary = body.rotary_emb
         self.final_norm = _Norm(body.norm, arch.family.norm_offset)
         self.norm, self.eps = self.final_norm.weight, self.final_norm.eps
@@ -137,7 +140,7 @@ class FusedPass:
 
     def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings [T, hidden] (scaled where the family scales them)."""
-        hidden = F.embedding(ids, self.embed)
+        hidden = self.embedding_rows(ids)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -73,6 +73,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.kv import KVBlock, KVLayout
+from ..errors import ModelLoadError
+from ..gguf.modules import weights_on_meta
 from .blocks import Blocks, BlockPass, GGUFBlocks, blocks_unsupported, read_blocks
 from .fused import FusedPass, fused_unsupported
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
@@ -133,7 +135,7 @@ class OneDNNLinear(nn.Module):
 def onednn_supported(model: Any) -> str | None:
     """Why ``model`` cannot take oneDNN-packed linear layers here, or None when it can."""
     weight = model.get_output_embeddings().weight
-    if weight.device.type != "cpu":
+    if weight.device.type not in ("cpu", "meta"):  # meta: a GGUF file's module tree, its float tensors on the CPU
         return f"oneDNN packing is a CPU path (the model is on {weight.device})"
     if weight.dtype != torch.float32:
         return f"oneDNN packing here is for float32 weights (the model is {weight.dtype})"
@@ -273,7 +275,7 @@ def _build(model: Any, name: str, gguf_file: Path | None = None, read: Callable[
             return BlockPass(model, blocks)
         except NotImplementedError as exc:
             log.info("GGUF blocks: the layers run from Python (%s)", exc)
-            return FusedPass(model, blocks.linear)
+            return FusedPass(model, blocks.linear, blocks.embedding)
     if name in ("eager", "onednn"):
         use_packed_attention(model)
         return functools.partial(forward_packed, model if name == "eager" else with_onednn_linears(model))
@@ -303,14 +305,24 @@ def select_weights(model: Any, layout: KVLayout, requested: str = "auto", gguf_f
 
 
 def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None) -> SelectedWeights:
+    tree = weights_on_meta(model)  # a GGUF file's module tree: only the block passes run on it
     if requested != "auto":
         forward = _build(model, requested, gguf_file)
-        return SelectedWeights(requested, forward, "requested", {}, _tolerance(requested), getattr(forward, "isa", None))
+        # a module tree has no float weights for check_packed to run transformers' forward on: its
+        # passes' checks are the tests'
+        return SelectedWeights(requested, forward, "requested", {}, _tolerance(requested), getattr(forward, "isa", None), check_at_start=not tree)
     left_out: list[str] = []
     read = functools.cache(lambda: read_blocks(model, gguf_file))  # once for "gguf" and "gguf-q16"
     by_rule = _gguf_by_rule(model, gguf_file, read, left_out)
     if by_rule is not None:
         return by_rule
+    if tree:
+        reasons = "; ".join(left_out) or blocks_unsupported(model, gguf_file, GGUF_ACTIVATIONS[GGUF_RULE[-1]]) or "no pass built"
+        gigabytes = 4 * model.num_parameters() / 1e9
+        raise ModelLoadError(
+            f"{gguf_file.name} runs on agentspec's block kernels, which cannot run here ({reasons}). "
+            f"To run it on its weights dequantised to float32 (about {gigabytes:.1f} GB of memory), pass weights='fused' (or 'eager')."
+        )
     candidates: dict[str, PassFunction] = {"eager": _build(model, "eager")}
     for name in CANDIDATES[1:]:
         if name in GGUF_RULE and any(reason.startswith(f"{name}:") for reason in left_out):

@@ -1,0 +1,108 @@
+"""transformers' module tree for a GGUF file's model, holding none of its quantised weights.
+
+The passes on a file's blocks (``passes/blocks.py``) read the model's structure from transformers'
+modules (``arch.describe``: which projections, norms, windows, scales), its rotary tables, and its
+small float tensors — norms, biases. ``module_tree`` builds that tree with its parameters on the meta
+device (shapes, no memory) and loads into it only the file's float tensors (F32, F16, BF16: the
+norms and biases, and any matrix the file keeps unquantised), converted to float32 as transformers'
+GGUF loader converts them (its tensor processors: Llama's q/k rows un-interleaved, Gemma's norms
+less one). Buffers (rotary frequencies, Gemma's embedding scale) are built on the CPU as transformers
+builds them. A quantised matrix stays on the meta device: the block pass multiplies the file's own
+blocks, and the embedding rows it needs are dequantised from them (``passes/blocks.FileBlocks``), so no float32
+copy of the model exists. ``weights_on_meta`` tells such a tree from a loaded model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .reader import GGML_TYPES, GGUFFile, GGUFTensor
+
+__all__ = ["module_tree", "float_array", "weights_on_meta", "FLOAT_TYPES"]
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def float_array(tensor: GGUFTensor) -> np.ndarray:
+    """A float tensor of the file (F32, F16, BF16) as float32, in the file's shape (outputs first)."""
+    data = tensor.data
+    if tensor.type_name == "BF16":
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data if tensor.type_name == "F32" else data.astype(np.float32)  # F32: the mapping's own pages, read-only
+
+
+def weights_on_meta(model: Any) -> bool:
+    """Whether ``model`` is a ``module_tree`` (its linear weights in the file, not in the modules)."""
+    return model.get_output_embeddings().weight.device.type == "meta"
+
+
+def _dequantised(tensor: GGUFTensor) -> np.ndarray:
+    from gguf import dequantize
+
+    type_id = next(number for number, (name, _, _) in GGML_TYPES.items() if name == tensor.type_name)
+    return dequantize(tensor.data, type_id).astype(np.float32, copy=False)
+
+
+def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozenset()) -> nn.Module:
+    """The causal LM of ``config`` with the file's float tensors loaded and every other parameter on
+    the meta device. ``quantised``: the types the caller reads from the blocks; a matrix of another
+    quantised type is dequantised to float32 here (``read_blocks`` names them in one warning)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) built on the CPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config.to_dict())
+    names = _parameter_names(model, gguf)
+    for name, tensor in gguf.tensors.items():
+        if tensor.type_name in FLOAT_TYPES:
+            weights = float_array(tensor)
+        elif tensor.type_name in quantised:
+            continue
+        else:  # the block passes name these matrices in one warning (blocks.read_blocks)
+            weights = _dequantised(tensor)
+        result = processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters={})
+        if result.name not in names:
+            continue  # a tensor transformers' model has no parameter for (rope_freqs.weight: its rotary scaling comes from the config)
+        with warnings.catch_warnings():  # a read-only view of the mapping: nothing writes a parameter
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            value = torch.from_numpy(np.ascontiguousarray(result.weights))
+        _assign(model, names[result.name], value)
+    if getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model.eval().requires_grad_(False)
+
+
+def _parameter_names(model: nn.Module, gguf: GGUFFile) -> dict[str, str]:
+    """{GGUF tensor name: the model's parameter name}, by gguf-py's table of llama.cpp's names (one
+    table for the model: transformers' ``get_gguf_hf_weights_map`` builds one per module, 7 s for
+    SmolLM2's 30 layers)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == gguf.architecture), None)
+    if arch is None:
+        raise ModelLoadError(f"{gguf.path}: gguf-py has no tensor names for architecture {gguf.architecture!r}; update the gguf package.")
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for name in model.state_dict():
+        base, _, suffix = name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}.{suffix}", name)
+    return names
+
+
+def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attribute = name.rpartition(".")
+    module = model.get_submodule(owner)
+    expected = getattr(module, attribute)
+    if tuple(expected.shape) != tuple(value.shape):
+        raise ModelLoadError(f"the file's tensor for {name} has shape {tuple(value.shape)}, the model expects {tuple(expected.shape)}")
+    setattr(module, attribute, nn.Parameter(value, requires_grad=False))

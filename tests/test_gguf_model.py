@@ -1,0 +1,155 @@
+"""A GGUF file is the model (``gguf/config.py``, ``gguf/modules.py``): its configuration and tokenizer
+from its metadata, transformers' module tree with only its float tensors in it, the passes on its
+blocks — and the same model, bit for bit, as transformers' own reading of the file dequantises.
+
+Per family whose GGUF form transformers reads (tiny random models written as llama.cpp's converter
+writes them, Q8_0 projections and embedding), and on the default model's real file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentspec.engine import Engine
+from agentspec.engine.kv import KVBlock, KVLayout
+from agentspec.gguf import read_gguf
+from agentspec.gguf.config import head_dim_override, model_config, model_tokenizer
+from agentspec.gguf.modules import weights_on_meta
+from agentspec.model import default_model_path, read_model
+from agentspec.passes.arch import describe
+from agentspec.passes.blocks import BlockPass, GGUFBlocks
+from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
+from agentspec.passes.weights import onednn_linear
+
+from .conftest import drafted_matching_plain
+from .test_families import family_model, q8_0_blocks, write_gguf
+
+CPU, F32 = torch.device("cpu"), torch.float32
+# The families of arch.py whose GGUF form transformers reads (Mistral's files are Llama's)
+FILE_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+TEXTS = ["Hello world!  How are you?\n\n def f(x):\n\treturn x**2", "日本語のテキスト émoji 🎉 — naïve café", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module", params=FILE_FAMILIES)
+def family_file(request, loaded, tmp_path_factory):
+    """(family, the file, agentspec's reading of it, transformers' reading of it (the float model))."""
+    name = request.param
+    model = family_model(name, loaded.vocab_size, seed=5)
+    model.config.tie_word_embeddings = name in ("llama", "gemma2")  # tied heads read the embedding's blocks
+    q8_0_blocks(model)  # its weights as Q8_0 values
+    path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
+    write_gguf(model, loaded.gguf_file, path, types={"token_embd.weight": "Q8_0"})
+    read = read_model(path, CPU, F32)
+    return name, path, read, read.model
+
+
+def test_the_configuration_is_the_one_transformers_reads(family_file):
+    from transformers import AutoConfig
+
+    name, path, read, _ = family_file
+    ours = model_config(read.gguf).to_dict()
+    theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    theirs.update(head_dim_override(read.gguf))  # Qwen3's head size, which transformers' table drops (its reading is given it too)
+    differ = {key: (ours.get(key), theirs.get(key)) for key in set(ours) | set(theirs) if key != "_name_or_path" and ours.get(key) != theirs.get(key)}
+    assert not differ, differ
+
+
+def test_the_module_tree_holds_the_files_float_tensors_and_nothing_else(family_file):
+    """Its quantised matrices stay on the meta device (no memory); every tensor it holds — norms
+    (Gemma's less one), biases, rotary frequencies, embedding scales — is transformers' own, bit for bit."""
+    name, _, read, model = family_file
+    tree = read.module
+    assert weights_on_meta(tree) and tree.get_input_embeddings().weight.device.type == "meta"
+    theirs = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    held = 0
+    for key, tensor in [*tree.named_parameters(remove_duplicate=False), *tree.named_buffers()]:
+        if tensor.device.type == "meta":
+            assert tensor.dim() == 2, key  # only matrices are left in the file
+            continue
+        assert torch.equal(tensor, theirs[key]), key
+        held += tensor.numel()
+    assert 0 < held < 0.05 * sum(p.numel() for p in model.parameters())
+    assert describe(tree) == describe(model) and KVLayout.of(tree) == KVLayout.of(model)
+
+
+@torch.inference_mode()
+def test_the_pass_on_the_file_alone_is_the_pass_on_transformers_reading(family_file):
+    """The block pass built from the module tree (embedding rows dequantised from the file's blocks,
+    q/k rows un-interleaved by rule) gives the same bits as the block pass built on transformers'
+    float model, and transformers' logits to float32 rounding."""
+    name, path, read, model = family_file
+    use_packed_attention(model)
+    layout = KVLayout.of(model)
+    tree_pass = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear))
+    float_pass = BlockPass(model, GGUFBlocks(model, path, onednn_linear))
+    ids = torch.randint(0, read.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = [forward([PackedRow(KVBlock(layout), ids, len(ids))])[0] for forward in (tree_pass, float_pass)]
+    assert torch.equal(*logits), name
+    assert check_packed(model, layout, 1e-3, forward=tree_pass) <= 1e-3
+
+
+def test_an_engine_on_the_file_alone_decodes_speculatively_as_plainly(family_file):
+    name, _, read, _ = family_file
+    engine = Engine(read)  # "auto": the block pass by rule, nothing dequantised
+    assert isinstance(engine.forward, BlockPass) and not engine.weights.check_at_start
+    assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
+
+
+def test_the_tokenizer_from_the_metadata_is_transformers(loaded):
+    """The default model's tokenizer built from ``tokenizer.ggml.*`` encodes, decodes and renders the
+    chat template as ``AutoTokenizer`` over the file does (in a twentieth of the time)."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    ours = model_tokenizer(read_gguf(path))
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in TEXTS:
+        ids = theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids and ours.decode(ids) == theirs.decode(ids), text
+    assert ours.special_tokens_map == theirs.special_tokens_map and len(ours) == len(theirs)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.encode("hi") == theirs.encode("hi")  # BOS as the file says
+
+
+def test_the_default_model_is_its_file(loaded):
+    """The session's model: no float weights loaded to run it, its embedding and LM-head rows read
+    from the blocks as transformers dequantises them."""
+    assert weights_on_meta(loaded.module)
+    ids = torch.tensor([0, 1, 17, 4_000, loaded.vocab_size - 1])
+    reference = loaded.model  # the float model, on demand
+    assert torch.equal(loaded.input_rows(ids), reference.get_input_embeddings().weight[ids])
+    assert torch.equal(loaded.output_rows(ids), reference.get_output_embeddings().weight[ids])
+
+
+REFUSED = """
+import asyncio, sys
+import agentspec
+async def main(weights):
+    try:
+        async with agentspec.Client(weights=weights) as client:
+            done = await client.generate([{'role': 'user', 'content': 'Hi'}], max_tokens=4)
+            print('ran', client.engine.weights.name, len(done.token_ids))
+    except agentspec.ModelLoadError as exc:
+        print('refused', exc)
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("weights", ["auto", "fused"])
+def test_without_kernels_a_gguf_file_is_refused_or_dequantised_when_asked(weights, tmp_path):
+    """A machine where the block kernels cannot be built (here: no C compiler, an empty cache) refuses
+    a GGUF file at start-up with a ModelLoadError that says why and how to run it anyway; asked for
+    a float pass by name, it runs on the file dequantised to float32."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CC": "/bin/false", "AGENTSPEC_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", REFUSED, weights], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip().splitlines()[-1]
+    if weights == "auto":
+        assert out.startswith("refused") and "block kernels, which cannot run here" in out and "weights='fused'" in out and "GB of memory" in out, out
+    else:
+        assert out.startswith("ran fused"), out
