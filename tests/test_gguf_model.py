@@ -153,3 +153,30 @@ def test_without_kernels_a_gguf_file_is_refused_or_dequantised_when_asked(weight
         assert out.startswith("refused") and "block kernels, which cannot run here" in out and "weights='fused'" in out and "GB of memory" in out, out
     else:
         assert out.startswith("ran fused"), out
+
+
+@torch.inference_mode()
+def test_a_product_of_blocks_of_different_kinds_runs_in_the_compiled_layers(loaded, tmp_path):
+    """Q4_K_M keeps q and k in one type and v in another (Q4_K, Q6_K): the q/k/v product is then a
+    chain of one product per kind (``StackedProduct``; blocks.h: agentspec_blocks.next), which the
+    compiled layers run part by part — the model's logits to float32 rounding, on float32 and on
+    16-bit rows, and greedy speculative == plain."""
+    from agentspec.passes.blocks import StackedProduct
+    from agentspec.passes.weights import NEAR_TOLERANCE
+
+    model = family_model("llama", loaded.vocab_size, seed=6)
+    q8_0_blocks(model)
+    path = tmp_path / "mixed-kinds.gguf"
+    layers = model.config.num_hidden_layers
+    write_gguf(model, loaded.gguf_file, path, types={**{f"blk.{i}.attn_v.weight": "Q4_1" for i in range(layers)}, "blk.0.ffn_up.weight": "Q4_1"})
+    read = read_model(path, CPU, F32)
+    reference = read.model
+    use_packed_attention(reference)
+    layout = KVLayout.of(reference)
+    for activations, tolerance in (("float32", 1e-3), ("q16", NEAR_TOLERANCE)):
+        forward = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear, activations))
+        assert all(isinstance(layer.qkv, StackedProduct) and len(layer.qkv.products) == 2 for layer in forward.layers)
+        assert isinstance(forward.layers[0].gate_up, StackedProduct) and not isinstance(forward.layers[1].gate_up, StackedProduct)
+        assert check_packed(reference, layout.with_dtype(*forward.kv_dtypes), tolerance, forward=forward) <= tolerance
+    engine = Engine(read)
+    assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
