@@ -124,7 +124,7 @@ class LoadedModel:
     def _rows(self, weight: torch.Tensor, name: str, ids: torch.Tensor) -> torch.Tensor:
         if weight.device.type != "meta":
             return weight.detach()[ids.to(weight.device)]
-        from .passes.blocks import FileBlocks
+        from .passes.layouts import FileBlocks
 
         return FileBlocks(self.gguf.tensors[name]).dequantised_rows(ids)  # module_tree loads every matrix of another type
 
@@ -311,7 +311,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
     if _module_tree_family(gguf, device, dtype):
         from .gguf.config import model_config, model_tokenizer
         from .gguf.modules import module_tree
-        from .passes.blocks import GGUF_TYPES
+        from .passes.layouts import GGUF_TYPES
 
         config = model_config(gguf)
         tokenizer = model_tokenizer(gguf)

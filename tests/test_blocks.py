@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.passes.blocks import (
-    ACTIVATIONS, BLOCK_TYPES, ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, BlockPass, Blocks, GGUFBlocks, block_kernels, block_product,
-    GGUF_TYPES, INTEGER_OFFSETS, SUPER, IntegerLayout, blocks_unsupported, isa_levels, kernel_flags, tensor_blocks,
-)
+from agentspec.passes.blocks import BlockPass
+from agentspec.passes.layouts import ACTIVATIONS, GGUF_TYPES, INTEGER_OFFSETS, SUPER, Blocks, IntegerLayout, tensor_blocks
+from agentspec.passes.levels import ISA_VARIABLE, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, block_kernels, isa_levels, kernel_flags
+from agentspec.passes.products import GGUFBlocks, block_product, blocks_unsupported
 from agentspec.passes.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
@@ -291,7 +291,7 @@ def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
 def test_the_level_is_capped_by_the_environment_and_named_levels_are_checked(levels):
     """``$AGENTSPEC_ISA`` caps the level "auto" builds on (how an AVX-512 machine runs the AVX2
     kernels end to end); a level that is not one is refused with the list of levels."""
-    probe = "from agentspec.passes.blocks import _kernels; k = _kernels(); print(k if isinstance(k, str) else k.isa)"
+    probe = "from agentspec.passes.levels import kernels_or_reason; k = kernels_or_reason(); print(k if isinstance(k, str) else k.isa)"
     for cap in (levels[-1], "avx9000"):
         done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, ISA_VARIABLE: cap}, capture_output=True, text=True, timeout=300)
         if cap in levels:
@@ -418,7 +418,7 @@ def test_the_compiled_layers_store_keys_and_values_as_their_pass_names(loaded, g
 def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tmp_path):
     """First use compiles the kernels into ``$AGENTSPEC_CACHE_DIR/kernels`` (the next process
     reuses the library); without a working compiler the pass says why instead."""
-    probe = "from agentspec.passes.blocks import blocks_unsupported, _kernels; r = _kernels(); print(r if isinstance(r, str) else 'built')"
+    probe = "from agentspec.passes.levels import kernels_or_reason; r = kernels_or_reason(); print(r if isinstance(r, str) else 'built')"
     env = {**os.environ, "AGENTSPEC_CACHE_DIR": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     if first.stdout.strip() != "built":

@@ -13,7 +13,9 @@ import torch
 
 from agentspec.engine import Engine
 from agentspec.passes.arch import FAMILIES, GGUF_PROJECTIONS, describe
-from agentspec.passes.blocks import BlockPass, GGUFBlocks, tensor_blocks
+from agentspec.passes.blocks import BlockPass
+from agentspec.passes.layouts import tensor_blocks
+from agentspec.passes.products import GGUFBlocks
 from agentspec.passes.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
@@ -358,7 +360,7 @@ def test_matrices_of_types_the_kernels_do_not_read_are_named_in_one_line(loaded,
     takes the rest from the blocks."""
     import logging
 
-    from agentspec.passes.blocks import read_blocks
+    from agentspec.passes.products import read_blocks
 
     model = family_model("qwen3", loaded.vocab_size, seed=4)
     model.config.tie_word_embeddings = False

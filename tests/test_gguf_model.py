@@ -17,7 +17,8 @@ from agentspec.gguf.config import head_dim_override, model_config, model_tokeniz
 from agentspec.gguf.modules import weights_on_meta
 from agentspec.model import default_model_path, read_model
 from agentspec.passes.arch import describe
-from agentspec.passes.blocks import BlockPass, GGUFBlocks
+from agentspec.passes.blocks import BlockPass
+from agentspec.passes.products import GGUFBlocks
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.passes.weights import onednn_linear
 
@@ -161,7 +162,7 @@ def test_a_product_of_blocks_of_different_kinds_runs_in_the_compiled_layers(load
     chain of one product per kind (``StackedProduct``; blocks.h: agentspec_blocks.next), which the
     compiled layers run part by part — the model's logits to float32 rounding, on float32 and on
     16-bit rows, and greedy speculative == plain."""
-    from agentspec.passes.blocks import StackedProduct
+    from agentspec.passes.products import StackedProduct
     from agentspec.passes.weights import NEAR_TOLERANCE
 
     model = family_model("llama", loaded.vocab_size, seed=6)

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from agentspec.engine import Engine
-from agentspec.passes.blocks import GGUF_TYPES, BlockPass, IntegerLayout, blocks_unsupported, read_blocks
+from agentspec.passes.blocks import BlockPass
+from agentspec.passes.layouts import GGUF_TYPES, IntegerLayout
+from agentspec.passes.products import blocks_unsupported, read_blocks
 from agentspec.engine.kv import KVLayout
 from agentspec.passes.packed import check_packed, use_packed_attention
 from agentspec.passes.weights import NEAR_TOLERANCE, pass_layout, select_weights

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from agentspec.model import default_model_path
-from agentspec.passes.blocks import block_kernels
+from agentspec.passes.levels import block_kernels
 
 from .test_families import write_gguf
 

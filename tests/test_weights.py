@@ -12,7 +12,7 @@ from torch import nn
 
 import agentspec
 from agentspec.engine import Engine
-from agentspec.passes.blocks import blocks_unsupported
+from agentspec.passes.products import blocks_unsupported
 from agentspec.passes.fused import FusedPass, fused_unsupported
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.passes.packed import PackedRow, check_packed, forward_packed, use_packed_attention

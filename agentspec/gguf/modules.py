@@ -1,6 +1,6 @@
 """transformers' module tree for a GGUF file's model, holding none of its quantised weights.
 
-The passes on a file's blocks (``passes/blocks.py``) read the model's structure from transformers'
+The passes on a file's blocks (``passes/blocks.py``, ``products.py``) read the model's structure from transformers'
 modules (``arch.describe``: which projections, norms, windows, scales), its rotary tables, and its
 small float tensors — norms, biases. ``module_tree`` builds that tree with its parameters on the meta
 device (shapes, no memory) and loads into it only the file's float tensors (F32, F16, BF16: the
@@ -8,7 +8,7 @@ norms and biases, and any matrix the file keeps unquantised), converted to float
 GGUF loader converts them (its tensor processors: Llama's q/k rows un-interleaved, Gemma's norms
 less one). Buffers (rotary frequencies, Gemma's embedding scale) are built on the CPU as transformers
 builds them. A quantised matrix stays on the meta device: the block pass multiplies the file's own
-blocks, and the embedding rows it needs are dequantised from them (``passes/blocks.FileBlocks``), so no float32
+blocks, and the embedding rows it needs are dequantised from them (``passes/layouts.FileBlocks``), so no float32
 copy of the model exists. ``weights_on_meta`` tells such a tree from a loaded model.
 """
 
@@ -66,7 +66,7 @@ def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozens
             weights = float_array(tensor)
         elif tensor.type_name in quantised:
             continue
-        else:  # the block passes name these matrices in one warning (blocks.read_blocks)
+        else:  # the block passes name these matrices in one warning (products.read_blocks)
             weights = _dequantised(tensor)
         result = processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters={})
         if result.name not in names:

@@ -4,8 +4,10 @@
 - ``packed.py``   the packed multi-sequence pass over transformers' modules, and its attention
 - ``fused.py``    agentspec's own pass for the families of ``arch.py``, on any linear product
 - ``static.py``   the GPU pass: a key/value pool allocated once, CUDA graphs per shape
-- ``blocks.py``   the GGUF file's blocks and their compiled kernels (``blocks.c``, per ISA level;
-  ``blocks.h``, their interface); ``BlockPass``, the decoder layers in one compiled call
+- ``levels.py``   the kernels' instruction-set levels and their build (``blocks.c``, ``blocks.h``)
+- ``layouts.py``  a GGUF matrix's blocks and the kernels' layouts of them, built in runs of rows
+- ``products.py`` products on the blocks, and which of a model's weights have them
+- ``blocks.py``   ``BlockPass``: the decoder layers in one compiled call
 - ``weights.py``  which pass runs: by rule on a GGUF file with kernels, else by measurement
 
 The engine (``agentspec.engine``) runs one of them; the keys and values they write are its

@@ -11,7 +11,7 @@ multipliers (Granite). ``FAMILIES`` holds each family's switches (a few lines pe
 reads the rest — sizes, windows per layer, scales, which projections carry biases — from the loaded
 model and its config, and checks that the model has every module the description names.
 
-The passes (``fused.py``, ``static.py``, and the projections of ``blocks.py``) run on an
+The passes (``fused.py``, ``static.py``, and the projections of ``products.py``) run on an
 ``Architecture``; transformers' modules stay the reference every pass is checked against at start-up
 (``packed.check_packed``). A family not in ``FAMILIES`` runs on the generic pass (the model's own
 modules); ``describe`` says why in its ``NotImplementedError``.

@@ -1,5 +1,5 @@
 /* Products on a GGUF file's own weight blocks, and the decoder layers around them, for agentspec's
-   target pass (blocks.py).
+   target pass (blocks.py, products.py).
 
    y[r, n] = sum_k x[r, k] * w[n, k] for float32 rows x, with w read from its blocks of 32 weights:
      Q4_1: w = d * q + m, q a 4-bit code (16 bytes per block; byte j holds codes j and j + 16)
@@ -9,10 +9,10 @@
    d and m are the blocks' scales and minimums as float32. Each w is rounded exactly as the GGUF
    reader dequantises it (a product, then a sum; -ffp-contract=off keeps them apart), so these are
    the loaded model's float32 weights, read in a fifth (Q4_1) or a quarter (Q8_0) of the bytes. The
-   file's other types are read into these exactly (blocks.py): Q4_0 and Q5_0 as Q8_0, Q4_K as Q4_1
+   file's other types are read into these exactly (layouts.py): Q4_0 and Q5_0 as Q8_0, Q4_K as Q4_1
    (its per-32 scale and minimum, products of the super-block's), Q6_K as Q8_16, Q5_1 and Q5_K as Q8_1.
 
-   One source, built once per instruction-set level (blocks.py: LEVELS). The level is two macros:
+   One source, built once per instruction-set level (levels.py: LEVELS). The level is two macros:
    AGENTSPEC_WIDTH (512: AVX-512; 256: AVX2 + FMA + F16C) and AGENTSPEC_VNNI (1: the integer products
    take vpdpbusd; 0: vpmaddwd). Everything above the primitives below is written once for all levels,
    and every level computes the same bits: float arithmetic runs on 16 logical lanes (one zmm, or two
@@ -45,7 +45,7 @@
 #endif
 
 #if !defined(AGENTSPEC_WIDTH) || !defined(AGENTSPEC_VNNI)
-#error "build with -DAGENTSPEC_WIDTH=512|256|128 -DAGENTSPEC_VNNI=0|1 (blocks.py: LEVELS)"
+#error "build with -DAGENTSPEC_WIDTH=512|256|128 -DAGENTSPEC_VNNI=0|1 (levels.py: LEVELS)"
 #endif
 #if AGENTSPEC_WIDTH == 512 && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__))
 #error "AGENTSPEC_WIDTH=512 needs AVX512F, BW, DQ and VL (-march=x86-64-v4)"
@@ -475,7 +475,7 @@ const int agentspec_lanes = LANES; /* outputs per group in the layout of the int
 #define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 
 /* ==== Products on float32 rows (weights="gguf") ===================================================
-   Layout (Blocks.grouped in blocks.py): outputs in groups of G; for each group, its blocks in input
+   Layout (Blocks.grouped in layouts.py): outputs in groups of G; for each group, its blocks in input
    order, each the G outputs' codes, then their G scales (and minimums): one stream of memory per
    group, read front to back and prefetched a few blocks ahead. (With codes, scales and minimums in
    three arrays, a 1-row product read three streams per output and reached about half the bandwidth.)
@@ -586,7 +586,7 @@ INLINE void q8_1_tile(const float *x, const int rows, int K, const uint8_t *few,
         BY_COUNT(M - r0, CHUNK, TILE)                                                              \
     }
 
-/* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in blocks.py). */
+/* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in layouts.py). */
 void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
     PRODUCT(q4_1_tile)
 }
@@ -624,7 +624,7 @@ void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const
      one tile multiply (below).
    Codes are unsigned: sum((q - offset) a) = sum(q a) - offset sum(a), exactly, in 32-bit integers.
 
-   Layout (Blocks.by_lanes in blocks.py): outputs in groups of LANES, one 32-bit lane each; per group,
+   Layout (Blocks.by_lanes in layouts.py): outputs in groups of LANES, one 32-bit lane each; per group,
    its blocks in input order, each as many bytes a weight as the file's. A block's codes, one of four
    kinds (CODES_*):
    - bytes: 8 registers (register j, lane o: output o's codes 4j..4j+3), Q8_0's + 128 (offset 128);
@@ -938,7 +938,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
         free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \
     }
 
-/* An integer layout's number (blocks.py: IntegerLayout.number): its codes, minimums (0, 1), factored
+/* An integer layout's number (layouts.py: IntegerLayout.number): its codes, minimums (0, 1), factored
    scales (0, 1), scales per half block (0, 1) and activation planes (1: "q8", 2: "q16"). */
 #define INT_LAYOUT(CODES, MINS, FACTORED, HALVES, PLANES) (((((CODES) * 2 + (MINS)) * 2 + (FACTORED)) * 2 + (HALVES)) * 2 + (PLANES) - 1)
 #define INT_CASE(CODES, MINS, FACTORED, HALVES)                                                    \
@@ -946,7 +946,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
     case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 2): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 2) break;
 
 /* x @ W.T on integer rows; w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. The
-   layouts a GGUF file's blocks take (the others abort: blocks.py never passes them). */
+   layouts a GGUF file's blocks take (the others abort: products.py never passes them). */
 void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads) {
     switch (layout) {
         INT_CASE(CODES_BYTES, 0, 0, 0) /* Q8_0 */

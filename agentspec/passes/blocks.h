@@ -1,5 +1,5 @@
-/* The interface of the GGUF block kernels (blocks.c), one home for what blocks.py and
-   tests/kernels_check.c pass across it: the structures of the decoder layers' call (blocks.py mirrors
+/* The interface of the GGUF block kernels (blocks.c), one home for what blocks.py, levels.py and
+   tests/kernels_check.c pass across it: the structures of the decoder layers' call (levels.py mirrors
    them with ctypes and compares their sizes with agentspec_struct_sizes' when it loads a build: a
    mismatch refuses the build, it never reads past a structure) and the exported functions. */
 
@@ -43,7 +43,7 @@ extern const int agentspec_lanes; /* outputs per group in the layout of the inte
 
 /* Whether this CPU runs the level the library was built for (and, for AMX, Linux granted the tiles) */
 int agentspec_cpu_runs_this(void);
-/* sizeof agentspec_blocks, agentspec_layer and agentspec_segment, for blocks.py's check */
+/* sizeof agentspec_blocks, agentspec_layer and agentspec_segment, for levels.py's check */
 void agentspec_struct_sizes(size_t sizes[3]);
 
 /* y[M, N] = x[M, K] @ W.T on float32 rows, W's blocks grouped for few and for many rows */

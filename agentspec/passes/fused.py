@@ -14,7 +14,7 @@ pass. Fewer, larger products: 4 per layer instead of 7.
 
 Products run on what ``linear`` makes of the weights: oneDNN-packed weights where
 ``weights.onednn_supported`` says they can (CPU, float32), else ``F.linear`` on the concatenated
-weights (any device and dtype), or the GGUF file's own blocks (``blocks.py``). A family
+weights (any device and dtype), or the GGUF file's own blocks (``products.py``). A family
 ``arch.describe`` does not cover runs through transformers' modules (``fused_unsupported`` says why).
 """
 
@@ -32,7 +32,7 @@ __all__ = ["FusedPass", "fused_unsupported", "rms_norm", "Linear", "LinearFactor
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 # Makes the product of weights stacked along their outputs (q, k and v as one product): oneDNN-packed
-# or F.linear over the concatenation (``weights.py``), or the GGUF file's own blocks (``blocks.py``).
+# or F.linear over the concatenation (``weights.py``), or the GGUF file's own blocks (``products.py``).
 LinearFactory = Callable[[Sequence[torch.Tensor]], Linear]
 
 

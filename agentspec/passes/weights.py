@@ -14,10 +14,10 @@ The candidates (``CANDIDATES``):
   oneDNN-packed weights (any architecture; CPU, float32).
 - ``"fused"``: ``FusedPass`` (``fused.py``), agentspec's own pass for the families of ``arch.py``,
   on oneDNN-packed weights where they run, else ``F.linear``.
-- ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``;
+- ``"gguf"``: the fused pass on the blocks of the GGUF file the model was read from (``blocks.py``, ``products.py``;
   a CPU with AVX2, AVX-512 or NEON's dot product, and a C compiler): the same float32 weights in a
   fraction of the bytes per token. The kernels are built for the CPU's instruction-set level and
-  give the same bits on every level (``blocks.LEVELS``).
+  give the same bits on every level (``levels.LEVELS``).
 - ``"gguf-q16"``: the ``"gguf"`` pass on rows rounded to 16 bits per block of 32 (below: it is in
   ``REDUCED`` too, the one arithmetic ``"auto"`` may pick that is not the loaded model's own).
 - ``"static"``: the fused pass over a key/value pool allocated once, one attention call per layer
@@ -75,7 +75,9 @@ from torch import nn
 from ..engine.kv import KVBlock, KVLayout
 from ..errors import ModelLoadError
 from ..gguf.modules import weights_on_meta
-from .blocks import Blocks, BlockPass, GGUFBlocks, blocks_unsupported, read_blocks
+from .blocks import BlockPass
+from .layouts import Blocks
+from .products import GGUFBlocks, blocks_unsupported, read_blocks
 from .fused import FusedPass, fused_unsupported
 from .packed import PackedRow, PassFunction, check_packed, forward_packed, use_packed_attention
 from .static import StaticPass
@@ -104,7 +106,7 @@ REDUCED_TOLERANCE = 2.0
 NEAR = ("gguf-q16",)
 NEAR_TOLERANCE = 0.05
 
-# The passes on the GGUF file's blocks, and what each multiplies them by (blocks.ACTIVATIONS)
+# The passes on the GGUF file's blocks, and what each multiplies them by (layouts.ACTIVATIONS)
 GGUF_ACTIVATIONS = {"gguf": "float32", "gguf-q8": "q8", "gguf-q16": "q16"}
 
 # oneDNN picks its packed layout for an expected number of rows; 8 is a verification pass. The layout
@@ -219,7 +221,7 @@ class SelectedWeights:
     # check's default, float32 rounding). A pass on rounded weights is another model: its bound only
     # catches a broken pass (attention without its past is off by whole units).
     tolerance: float | None = None
-    # The instruction-set level of the compiled kernels it runs on (blocks.LEVEL_NAMES), where it has them
+    # The instruction-set level of the compiled kernels it runs on (levels.LEVEL_NAMES), where it has them
     isa: str | None = None
     # Whether an engine checks it against the model's own forward at start-up (``Engine.calibrate``):
     # not a pass "auto" takes by rule on a GGUF file, whose check lives in the tests — the check runs
