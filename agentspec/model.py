@@ -23,8 +23,10 @@ read the snapshot: the same tensors, bit for bit, without parsing the file. Othe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
+import gc
 import hashlib
 import importlib.util
 import io
@@ -290,6 +292,16 @@ def _transformers_model(ref: str | Path | None, device: torch.device, dtype: tor
     return model, tokenizer
 
 
+def _return_freed_memory() -> None:
+    """Give the C heap's freed pages back to the system (glibc keeps them for reuse, but the passes'
+    layouts are allocated elsewhere, so they would add to the load's peak). Elsewhere, nothing."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def _module_tree_family(gguf: GGUFFile | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the file is the model (``module_tree``): on the CPU in float32, a family of ``arch.py``."""
     from .gguf.config import model_type
@@ -315,6 +327,7 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
 
         config = model_config(gguf)
         tokenizer = model_tokenizer(gguf)
+        _return_freed_memory()  # the tokenizer's conversion leaves ~95 MB freed on the C heap (Qwen's 151,936 tokens)
         module = module_tree(gguf, config, quantised=frozenset(GGUF_TYPES))
         float_model = lambda: _transformers_model(ref, device, dtype, gguf)[0]  # noqa: E731 - the reference, on demand
     else:
