@@ -20,12 +20,18 @@ import logging
 from typing import Any, Sequence
 
 from .errors import InvalidRequestError
+from .params import check_json_depth
 from .structured.formats import ToolFormat, detect_format, template_id, template_tools
 from .structured.tools import ToolSpec, with_tool_prompt
+from .types import Limits
 
 __all__ = ["normalize_messages", "ChatFormat"]
 
 log = logging.getLogger("agentspec.client")
+# Tool-call arguments sent as a JSON string are parsed here, after the request's own depth check
+# (``Limits.max_json_depth``) saw only a string; they get the default limit.
+MAX_ARGUMENTS_DEPTH = Limits().max_json_depth
+MAX_TEMPLATE_MESSAGE_CHARS = 200  # a template's own refusal, quoted
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -63,7 +69,13 @@ def _tool_calls(tool_calls: Any, where: str) -> list[tuple[str | None, str, dict
             try:
                 arguments = json.loads(arguments or "{}")
             except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{where}: tool call arguments are not valid JSON ({exc}).") from None
+                raise InvalidRequestError(
+                    f"{where}: tool call arguments are not valid JSON (at line {exc.lineno}, column {exc.colno}); "
+                    "send a JSON object as a string or an object."
+                ) from None
+            except RecursionError:
+                raise InvalidRequestError(f"{where}: tool call arguments nest too deeply to parse; flatten them.") from None
+            check_json_depth(f"{where}: tool call arguments", arguments, MAX_ARGUMENTS_DEPTH)
         call_id = call.get("id")
         calls.append((call_id if isinstance(call_id, str) and call_id else None, function["name"], arguments))
     return calls
@@ -128,6 +140,25 @@ def normalize_messages(messages: Any, *, system_role: bool = True, tool_format: 
     if not any(m["role"] in ("user", "system") for m in out):
         raise InvalidRequestError("`messages` needs at least one 'user' or 'system' message.")
     return out
+
+
+def _template_refusal(exc: Exception) -> str:
+    """What to tell a caller whose messages the chat template failed on. A template's own
+    ``raise_exception("...")`` (exactly a jinja ``TemplateError``) is its author's message to callers,
+    e.g. Llama 3.1's "only supports single tool-calls at once": quoted, on one line. Anything else
+    (an undefined variable, a type error inside jinja) is the template's or jinja's internals: logged
+    here, and the caller gets agentspec's words, since a server sends this message to whoever called."""
+    from jinja2.exceptions import TemplateError
+
+    advice = (
+        "check that roles alternate as the model expects (user, then assistant), that tool messages follow "
+        "an assistant message with `tool_calls`, and that every message has a string `content`."
+    )
+    if type(exc) is TemplateError and str(exc).strip():
+        said = " ".join(str(exc).split())[:MAX_TEMPLATE_MESSAGE_CHARS]
+        return f"The model's chat template rejected these messages: {said!r}; {advice}"
+    log.info("the chat template failed to render a request: %s: %s", type(exc).__name__, exc)
+    return f"The model's chat template could not render these messages; {advice}"
 
 
 class ChatFormat:
@@ -197,7 +228,7 @@ class ChatFormat:
         try:
             return self.tokenizer.apply_chat_template(normal, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raise_exception() in templates, e.g. strict role alternation
-            raise InvalidRequestError(f"The model's chat template rejected these messages: {exc}") from exc
+            raise InvalidRequestError(_template_refusal(exc)) from exc
 
     def encode(self, messages: Any, tools: Sequence[ToolSpec] = ()) -> list[int]:
         """Token ids of the prompt, with ``tools`` described to the model, starting with BOS where the

@@ -29,7 +29,7 @@ from .drafting.sources import DraftSources, check_draft_reference
 from .engine import Engine
 from .errors import ClientClosedError, EngineError, InvalidRequestError, UnsupportedFeatureError
 from .model import DTYPES, LoadedModel
-from .params import GenerationParams, parse_params
+from .params import GenerationParams, check_json_depth, parse_params
 from .passes.weights import WEIGHTS
 from .structured.tools import CallAssembler, ToolCallParser
 from .types import Completion, Done, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
@@ -325,7 +325,8 @@ class Client:
     def stream(self, messages: Any, **params: Any) -> Stream:
         """Validate the request now (raising ``InvalidRequestError``) and return its event stream."""
         self._require_running()
-        generation = parse_params(params, default_spec=self.spec)
+        check_json_depth("messages", messages, self.limits.max_json_depth)
+        generation = parse_params(params, default_spec=self.spec, max_json_depth=self.limits.max_json_depth)
         return Stream(self.backend.open(Request(messages, generation, params)), generation)
 
     async def generate(self, messages: Any, **params: Any) -> Completion:

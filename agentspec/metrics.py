@@ -18,9 +18,10 @@ from .types import SpecStats
 if TYPE_CHECKING:
     from .engine import Sequence
 
-__all__ = ["MetricsAggregator", "log_request"]
+__all__ = ["MetricsAggregator", "log_request", "OTHER_TAG"]
 
 request_log = logging.getLogger("agentspec.requests")
+log = logging.getLogger("agentspec.metrics")
 
 _COUNTERS = (
     "requests",
@@ -78,13 +79,23 @@ def sum_stats(items: Iterable[SpecStats]) -> SpecStats:
     return totals.snapshot()
 
 
-class MetricsAggregator:
-    """Sums request statistics, overall and per tag (thread-safe: the worker adds, any thread reads)."""
+OTHER_TAG = "(other)"  # not a valid request tag, so it never mixes with one
 
-    def __init__(self) -> None:
+
+class MetricsAggregator:
+    """Sums request statistics, overall and per tag (thread-safe: the worker adds, any thread reads).
+
+    Tags are chosen by callers, so their number is bounded: the first ``max_tags`` distinct tags get
+    series of their own and every later one is counted under ``OTHER_TAG`` (said once in the log).
+    Without the bound each new tag would keep memory forever and make ``/metrics`` slower to render.
+    """
+
+    def __init__(self, max_tags: int = 64) -> None:
         self._lock = threading.Lock()
         self._all = _Totals()
         self._tags: dict[str, _Totals] = {}
+        self.max_tags = max_tags
+        self._overflowed = False
 
     def add(self, stats: SpecStats, tag: str | None = None) -> None:
         with self._lock:
@@ -99,6 +110,15 @@ class MetricsAggregator:
     def _targets(self, tag: str | None) -> list[_Totals]:
         if tag is None:
             return [self._all]
+        if tag not in self._tags and len(self._tags.keys() - {OTHER_TAG}) >= self.max_tags:
+            if not self._overflowed:
+                self._overflowed = True
+                log.warning(
+                    "more than %d distinct request tags: tag %r and later new tags are counted under tag=%r "
+                    "(raise Limits.max_tags, agentspec serve --max-tags, to give them series of their own)",
+                    self.max_tags, tag, OTHER_TAG,
+                )
+            tag = OTHER_TAG
         return [self._all, self._tags.setdefault(tag, _Totals())]
 
     def snapshot(self, tag: str | None = None) -> SpecStats:

@@ -15,9 +15,9 @@ from typing import Any
 from .errors import InvalidRequestError
 from .structured.grammar import schema_from_response_format
 from .structured.tools import ToolSpec, call_schema, parse_tools
-from .types import SpecConfig
+from .types import Limits, SpecConfig
 
-__all__ = ["GenerationParams", "parse_params", "PARAM_NAMES"]
+__all__ = ["GenerationParams", "parse_params", "PARAM_NAMES", "check_json_depth", "json_depth"]
 
 MAX_STOP_STRINGS = 16
 TAG = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a traffic class; also a Prometheus label value
@@ -111,6 +111,38 @@ def _spec(value: Any, default: SpecConfig) -> SpecConfig:
     raise InvalidRequestError(f"`speculative` must be a bool or an agentspec.SpecConfig, got {value!r}.")
 
 
+def json_depth(value: Any, stop_past: int) -> int:
+    """How deeply ``value`` nests lists and dicts (a scalar: 0, ``[]``: 1, ``{"a": [1]}``: 2), counted
+    without recursion, so a value nested deeper than Python's stack is measured rather than crashing
+    the counter. Stops early once past ``stop_past``: the answer is then ``stop_past + 1``."""
+    deepest = 0
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > stop_past:
+            return stop_past + 1
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return deepest
+
+
+def check_json_depth(where: str, value: Any, limit: int) -> None:
+    """Refuse ``value`` (messages, tools, a schema) when it nests deeper than ``Limits.max_json_depth``:
+    schema translation, template rendering and validation all recurse, and a few kilobytes of
+    brackets would otherwise overflow the stack (a ``RecursionError`` deep inside a library)."""
+    if json_depth(value, limit) > limit:
+        raise InvalidRequestError(
+            f"`{where}` nests deeper than {limit} levels of lists and objects (Limits.max_json_depth; "
+            "agentspec serve --max-json-depth); flatten it."
+        )
+
+
 def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[str, Any] | None, Any]:
     """(tools, tool mode, the grammar's schema, the pydantic response model)."""
     tools, choice = params.get("tools"), params.get("tool_choice")
@@ -133,7 +165,7 @@ def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[
     return tuple(specs), "off", schema, model
 
 
-def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> GenerationParams:
+def parse_params(params: dict[str, Any], *, default_spec: SpecConfig, max_json_depth: int = Limits().max_json_depth) -> GenerationParams:
     """Validate keyword arguments of ``Client.stream``/``generate`` into ``GenerationParams``."""
     unknown = sorted(set(params) - PARAM_NAMES)
     if unknown:
@@ -141,6 +173,8 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig) -> Generat
             f"Unknown parameter(s) {', '.join(map(repr, unknown))}; "
             f"valid parameters are: {', '.join(sorted(PARAM_NAMES))}."
         )
+    for name in ("tools", "tool_choice", "response_format", "stop"):
+        check_json_depth(name, params.get(name), max_json_depth)
     tools, tool_mode, schema, response_model = _structure(params)
     # Off unless asked for (OpenAI's default is on): given the choice, SmolLM2-135M repeats the call it
     # just made ("weather in Zürich" twice) instead of ending its reply.

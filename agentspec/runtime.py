@@ -52,6 +52,9 @@ ESTIMATED_OUTPUT_TOKENS = 256
 # How long the worker sleeps when no request could step (all waiting for their consumers): short
 # enough that a consumer catching up resumes its stream within a few milliseconds.
 STALLED_WAIT_S = 0.005
+# Shadow checks waiting for idle time: a sample, so beyond this many a new one is dropped. Under
+# constant load none runs, and an unbounded queue would keep every sampled request's prompt forever.
+MAX_QUEUED_SHADOWS = 16
 
 
 @atexit.register
@@ -177,7 +180,11 @@ class Runtime:
 
     def shadow(self, seq: Sequence, check: Callable[[Sequence], None]) -> None:
         """Worker side (e.g. from ``on_finished``): decode ``seq`` while the engine is otherwise idle,
-        then call ``check(seq)``. Dropped, unchecked, when the runtime stops."""
+        then call ``check(seq)``. Dropped, unchecked, when the runtime stops or when
+        ``MAX_QUEUED_SHADOWS`` checks already wait."""
+        if len(self._shadows) >= MAX_QUEUED_SHADOWS:
+            log.debug("shadow check of request %s dropped: %d already wait for idle time", seq.request_id, len(self._shadows))
+            return
         self._shadows.append((seq, check))
 
     # -- worker side -------------------------------------------------------------------------------

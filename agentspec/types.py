@@ -30,6 +30,25 @@ DraftSource = Literal["grammar", "ngram", "suffix", "model"]
 DRAFT_SOURCES: tuple[DraftSource, ...] = ("grammar", "ngram", "suffix", "model")
 
 
+def invalid_fields(name: str, model: type[BaseModel], exc: ValidationError) -> str:
+    """An ``Invalid <name>: ...`` message in agentspec's words: each bad field with the value sent and
+    the rule it breaks, unknown fields with the valid ones. pydantic's own text (its type names, links
+    to its documentation) stays out: a server sends this message to whoever made the request."""
+    problems: list[str] = []
+    unknown: list[str] = []
+    for error in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            unknown.append(repr(field))
+            continue
+        rule = str(error["msg"]).removeprefix("Value error, ")
+        rule = rule[:1].lower() + rule[1:]
+        problems.append(f"`{field}`={error['input']!r}: {rule}" if field else rule)
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(unknown)}; the fields are: {', '.join(model.model_fields)}")
+    return f"Invalid {name}: {'; '.join(problems)}."
+
+
 class SpecConfig(BaseModel):
     """How the engine speculates. ``SpecConfig(enabled=False)`` is plain decoding.
 
@@ -64,11 +83,11 @@ class SpecConfig(BaseModel):
         "idle, to count disagreements (quality_diff_sampled; any is a bug)",
     )
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:  # positional-only: a field named "self" is an unknown field, not a TypeError
         try:
             super().__init__(**values)
         except ValidationError as exc:  # bad input belongs to agentspec's error tree
-            raise InvalidRequestError(f"Invalid SpecConfig: {exc}") from None
+            raise InvalidRequestError(invalid_fields("SpecConfig", type(self), exc)) from None
 
     @property
     def speculates(self) -> bool:
@@ -94,6 +113,13 @@ class Limits(BaseModel):
     keys/values for requests that start with the same tokens (0 turns prefix reuse off). A stream
     whose consumer falls ``max_pending_events`` steps behind pauses (its keys/values wait); one that
     reads nothing for ``abandon_after_s`` while paused is freed.
+
+    Requests may come from strangers (``agentspec serve``), so what one request can make the client
+    keep is bounded too: ``max_json_depth`` caps how deeply messages, tools and schemas nest (deeper
+    JSON is refused before any work; recursive validators would otherwise overflow the stack);
+    ``max_tags`` caps the distinct ``tag`` values with metrics of their own (later tags are counted
+    together under ``"(other)"``); ``max_shadow_rate`` caps a request's ``SpecConfig.shadow_rate``
+    (shadow checks re-decode a request, so a caller could otherwise double the engine's work).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -104,12 +130,15 @@ class Limits(BaseModel):
     prefix_cache_mb: float = Field(512, ge=0, description="keys/values kept for prefix reuse, MiB; 0 = off")
     abandon_after_s: float = Field(60.0, gt=0, description="a stream unread this long with its output backed up is freed")
     max_pending_events: int = Field(64, ge=1, description="a request's steps not yet read by its consumer before it pauses")
+    max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of messages, tools and schemas a request may send")
+    max_tags: int = Field(64, ge=0, description="distinct request tags with metric series of their own; more count as '(other)'")
+    max_shadow_rate: float = Field(1.0, ge=0.0, le=1.0, description="highest SpecConfig.shadow_rate a request gets; higher is capped")
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise InvalidRequestError(f"Invalid Limits: {exc}") from None
+            raise InvalidRequestError(invalid_fields("Limits", type(self), exc)) from None
 
 
 class Usage(BaseModel):

@@ -483,13 +483,19 @@ def test_wire_empty_reply_still_opens_with_the_role():
         (agentspec.ContextLengthError("long"), 400, "context_length_exceeded"),
         (agentspec.RequestTimeoutError("slow"), 504, "timeout"),
         (agentspec.ClientClosedError("closed"), 503, "shutting_down"),
-        (agentspec.EngineError("failed"), 500, None),
+        (agentspec.EngineError("Decoding failed: MemoryError: /secret/path"), 500, "decoding_failed"),
         (RuntimeError("a secret path"), 500, None),
     ],
 )
 def test_wire_error_statuses(error, status, code):
     got_status, body = wire.error_reply(error)
     assert got_status == status and body["error"]["code"] == code
-    # agentspec's messages say how to fix the request; anything else is a bug whose text stays in the log
-    expected = str(error) if isinstance(error, agentspec.AgentSpecError) else "Internal server error; see the server's log."
-    assert body["error"]["message"] == expected
+    # agentspec's messages say how to fix the request; a decoding failure quotes the engine's internals
+    # and anything else is a bug: their text stays in the log
+    if isinstance(error, agentspec.EngineError):
+        expected = wire.DECODING_FAILED
+    elif isinstance(error, agentspec.AgentSpecError):
+        expected = str(error)
+    else:
+        expected = "Internal server error; see the server's log."
+    assert body["error"]["message"] == expected and "secret" not in expected

@@ -119,7 +119,7 @@ class LocalBackend:
         self.loaded: LoadedModel | None = None
         self.runtime: Runtime | None = None
         self.sources: DraftSources | None = None
-        self._metrics = MetricsAggregator()
+        self._metrics = MetricsAggregator(max_tags=limits.max_tags)
         self._shadow_rng = random.Random()
 
     async def start(self) -> None:
@@ -190,11 +190,12 @@ class LocalBackend:
         if self.sources is not None and completed and seq.output_ids:
             self.sources.finished(seq.output_ids)
         spec = seq.params.spec
+        rate = min(spec.shadow_rate, self.limits.max_shadow_rate)  # a request cannot ask for more than its server allows
         if (
             completed
-            and spec.shadow_rate > 0
+            and rate > 0
             and spec.speculates
-            and self._shadow_rng.random() < spec.shadow_rate
+            and self._shadow_rng.random() < rate
             and self.runtime is not None
         ):
             plain = dataclasses.replace(seq.params, spec=spec.model_copy(update={"enabled": False}))

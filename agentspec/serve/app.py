@@ -2,7 +2,14 @@
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /metrics``
 (the client's Prometheus text), ``GET /health``. With an API key, every route but ``/health`` needs
-``Authorization: Bearer <key>``. Every error is an OpenAI error body (``wire.error_reply``).
+``Authorization: Bearer <key>``. Every error is an OpenAI error body (``wire.error_reply``) whose
+message agentspec wrote: it may quote the request, never a traceback or a library's text.
+
+What a stranger can send is checked before any work, in this order: the ``Host`` header against an
+allow-list (a web page that rebinds its DNS name to 127.0.0.1 still sends its own name: 403), the
+key, a JSON ``Content-Type`` on a body (a cross-site form or ``text/plain`` POST needs none: 415),
+the body's size (413) and the time its bytes take to arrive (408), then its nesting depth
+(``Limits.max_json_depth``: 400).
 
 A reply watches its connection while it decodes: when the caller disconnects — mid-stream, or while
 waiting for a non-streamed reply — the reply is cancelled and its ``Stream`` closed, which stops
@@ -13,10 +20,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import anyio
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -29,11 +38,17 @@ from ..errors import AgentSpecError, ClientClosedError
 from ..types import Done
 from .wire import HTTPError, MessageBuilder, ReplyShaper, error_reply, parse_chat_request, sse
 
-__all__ = ["create_app", "MAX_BODY_BYTES"]
+__all__ = ["create_app", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "LOOPBACK_HOSTS", "HostCheck", "json_text_depth"]
 
 # A request is messages, tools and schemas for a model with a context window of a few thousand
 # tokens: 4 MiB is far past any prompt the model can take, and bounds what one caller makes us buffer.
 MAX_BODY_BYTES = 4 * 2**20
+# A body of 4 MiB arrives in well under a second on any network a model server sits on; a caller that
+# trickles its bytes (or sends none after its headers) would otherwise hold a connection forever.
+BODY_TIMEOUT_S = 30.0
+# The names a browser on this machine uses for a loopback server; any other Host header on a loopback
+# server is a DNS-rebinding page or a misdirected proxy.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 SHUTTING_DOWN = "The server is shutting down; retry on another instance or after it restarts."
 
 
@@ -52,6 +67,60 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     while (await receive())["type"] != "http.disconnect":
         pass
     scope.cancel()
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear on valid JSON
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = np.zeros(256, dtype=np.int32)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply valid JSON ``text`` nests lists and objects, read from its brackets outside strings.
+    Walking the parsed value in Python costs ~2 µs an element (0.4 s for a 4 MiB body of small
+    messages, on the event loop); this is two C regex passes and a cumulative sum."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if not brackets:
+        return 0
+    steps = _BRACKET_STEP[np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)]
+    return int(np.cumsum(steps).max())
+
+
+def _host_name(host: str) -> str:
+    """A ``Host`` header's name without its port, lower-case; IPv6 addresses keep their brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else (f"[{host}]" if ":" in host else host)
+
+
+class HostCheck:
+    """ASGI middleware: answers 403 to any request whose ``Host`` header names a host not in
+    ``allowed`` (names, IP addresses; ``"*"`` allows any). Ports are ignored; IPv6 addresses may be
+    given with or without brackets. This is what stops DNS rebinding: a page on ``evil.example`` that
+    points its name at 127.0.0.1 reaches the port, but its requests say ``Host: evil.example``."""
+
+    def __init__(self, app: Any, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.allowed = frozenset(_host_name(name) for name in allowed if name != "*")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.any:
+            host = next((value.decode("latin-1") for key, value in scope["headers"] if key == b"host"), "")
+            if _host_name(host) not in self.allowed:
+                shown = host[:100] or "(none)"
+                error = HTTPError(
+                    403,
+                    f"The Host header {shown!r} is not one this server answers to; call it by one of its names "
+                    f"({', '.join(sorted(self.allowed))}), or start it with `agentspec serve --allowed-host NAME`.",
+                    kind="permission_error",
+                    code="host_not_allowed",
+                )
+                await _send_json(send, *error_reply(error))
+                return
+        await self.app(scope, receive, send)
 
 
 class ChatReply:
@@ -113,11 +182,21 @@ class ChatReply:
         await send({"type": "http.response.body", "body": tail})
 
 
-def create_app(client: Client, *, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+def create_app(
+    client: Client,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> Any:
     """The OpenAI-compatible application over ``client`` (started; the caller owns its lifetime),
-    serving it as the model ``model_name``."""
+    serving it as the model ``model_name``, to requests whose ``Host`` is in ``allowed_hosts``
+    (``["*"]``: any, e.g. behind a proxy that checks it)."""
     expected = api_key.encode() if api_key else None
     started = int(time.time())
+    max_depth = client.limits.max_json_depth
 
     def authorize(request: Request) -> None:
         if expected is None:
@@ -132,19 +211,44 @@ def create_app(client: Client, *, model_name: str, api_key: str | None = None, m
             )
 
     async def json_body(request: Request) -> Any:
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise HTTPError(
+                415,
+                f"The request body must be sent as `Content-Type: application/json`, not {media_type or 'none'!r}.",
+                code="unsupported_media_type",
+            )
         too_large = HTTPError(413, f"The request body is over {max_body_bytes} bytes; send fewer or shorter messages.", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body_bytes:
             raise too_large
         body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > max_body_bytes:
-                raise too_large
+        with anyio.move_on_after(body_timeout_s) as reading:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > max_body_bytes:
+                    raise too_large
+        if reading.cancelled_caught:
+            raise HTTPError(408, f"The request body did not arrive within {body_timeout_s:g} s; send it at once.", code="request_timeout")
+        too_deep = HTTPError(
+            400,
+            f"The request body nests deeper than {max_depth} levels of lists and objects (Limits.max_json_depth; "
+            "agentspec serve --max-json-depth); flatten the messages, tools or schema.",
+            code="json_too_deep",
+        )
         try:
-            return json.loads(body)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-            raise HTTPError(400, f"The request body is not valid JSON ({exc}); send a JSON object.") from None
+            text = body.decode("utf-8")  # JSON between systems is UTF-8 (RFC 8259)
+        except UnicodeDecodeError:
+            raise HTTPError(400, "The request body is not UTF-8 text; send a JSON object encoded as UTF-8.") from None
+        try:
+            parsed = json.loads(text)
+        except RecursionError:  # far past the limit: deeper than the parser's stack
+            raise too_deep from None
+        except json.JSONDecodeError as exc:
+            raise HTTPError(400, f"The request body is not valid JSON (line {exc.lineno}, column {exc.colno}); send a JSON object.") from None
+        if json_text_depth(text) > max_depth:
+            raise too_deep
+        return parsed
 
     async def chat_completions(request: Request) -> ChatReply:
         authorize(request)
@@ -191,4 +295,4 @@ def create_app(client: Client, *, model_name: str, api_key: str | None = None, m
         Route("/health", health, methods=["GET"]),
     ]
     handlers = {HTTPException: on_error, HTTPError: on_error, AgentSpecError: on_error, Exception: on_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return HostCheck(Starlette(routes=routes, exception_handlers=handlers), allowed_hosts)

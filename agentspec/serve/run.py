@@ -3,6 +3,11 @@
 The model loads before the port opens, so a caller that can connect finds the model ready; the
 command prints one line when it is. SIGINT/SIGTERM stop accepting connections, give open replies
 ``SHUTDOWN_GRACE_S`` to finish, then close the client (cancelling what still decodes).
+
+Safe by default (docs/security.md): loopback only; a non-loopback address without an API key is
+refused unless ``allow_unauthenticated``; ``Host`` headers checked against loopback names and the
+bound host; uvicorn's h11 protocol with bounded connections (``limit_concurrency``), header size and
+keep-alive; shadow checks off (``Limits.max_shadow_rate`` 0), whatever a request asks.
 """
 
 from __future__ import annotations
@@ -13,19 +18,37 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import uvicorn
 
 from ..client import Client
+from ..errors import InvalidRequestError
 from ..types import Limits
-from .app import create_app
+from .app import BODY_TIMEOUT_S, LOOPBACK_HOSTS, create_app
 
-__all__ = ["serve", "main", "API_KEY_ENV", "AnnouncingServer"]
+__all__ = ["serve", "main", "API_KEY_ENV", "AnnouncingServer", "SERVER_LIMITS"]
 
 API_KEY_ENV = "AGENTSPEC_API_KEY"
 SHUTDOWN_GRACE_S = 5
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+WILDCARDS = ("0.0.0.0", "::", "")
+# A server's client: like an embedded one, except that requests (strangers) cannot ask for shadow
+# checks, which re-decode a whole request: the operator turns them on with --shadow-rate.
+SERVER_LIMITS = Limits(max_shadow_rate=0.0)
+# Connections (open or idle keep-alive) beyond the request queue: room for /health and /metrics while
+# the queue is full, so a full engine answers 429, and a flood of idle sockets meets uvicorn's 503.
+CONNECTION_HEADROOM = 32
+# Request line and headers: an OpenAI client sends under 2 KiB; 16 KiB is h11's own default.
+MAX_HEADER_BYTES = 16 * 2**10
+KEEP_ALIVE_S = 5  # an idle connection is closed after this (uvicorn's default)
+
+
+def allowed_hosts(host: str, extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """The ``Host`` names a server bound to ``host`` answers to: loopback names, ``host`` itself
+    (unless it is a wildcard such as 0.0.0.0, which no caller names), and ``extra``."""
+    bound = () if host in WILDCARDS else (host,)
+    return tuple(dict.fromkeys((*LOOPBACK_HOSTS, *bound, *extra)))
 
 
 class AnnouncingServer(uvicorn.Server):
@@ -71,17 +94,42 @@ async def serve(
     device: str = "auto",
     dtype: str = "auto",
     weights: str = "auto",
-    limits: Limits = Limits(),
+    limits: Limits = SERVER_LIMITS,
     log_level: str = "warning",
+    allowed_host: Sequence[str] = (),
+    allow_unauthenticated: bool = False,
+    limit_concurrency: int | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    timeout_keep_alive: int = KEEP_ALIVE_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> None:
     """Serve ``model`` (as ``Client`` takes it) until SIGINT/SIGTERM. ``model_name`` is the id
     callers send (default: the loaded model's name); ``api_key`` makes every route but /health need
-    ``Authorization: Bearer <api_key>``."""
+    ``Authorization: Bearer <api_key>``. ``allowed_host``: more ``Host`` names to answer to (``"*"``:
+    any); ``limit_concurrency``: open connections before uvicorn answers 503 (default: the request
+    queue plus ``CONNECTION_HEADROOM``). Raises ``InvalidRequestError`` before loading anything when
+    ``host`` is not loopback and there is no key, unless ``allow_unauthenticated``."""
+    if api_key is None and host not in LOOPBACK and not allow_unauthenticated:
+        raise InvalidRequestError(
+            f"Refusing to serve on {host or 'every address'} without an API key: anyone who reaches the port could use "
+            f"the model. Pass --api-key (or set {API_KEY_ENV}), bind 127.0.0.1, or pass --allow-unauthenticated "
+            "if the network in front of it already checks who calls."
+        )
     async with Client(model, draft=draft, device=device, dtype=dtype, weights=weights, limits=limits) as client:
         name = model_name or client.loaded.name
-        app = create_app(client, model_name=name, api_key=api_key)
+        app = create_app(client, model_name=name, api_key=api_key, allowed_hosts=allowed_hosts(host, allowed_host), body_timeout_s=body_timeout_s)
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            http="h11",  # the protocol whose header limit is configurable (httptools, when installed, has none to set)
+            h11_max_incomplete_event_size=max_header_bytes,
+            limit_concurrency=limit_concurrency or limits.max_queued + CONNECTION_HEADROOM,
+            timeout_keep_alive=timeout_keep_alive,
         )
         key = "API key required" if api_key else "no API key"
         await AnnouncingServer(config, f"agentspec serve: {name} on {client.loaded.device}, ready at {{url}} ({key})").serve()
@@ -90,9 +138,17 @@ async def serve(
 async def main(args: Any) -> int:
     """The ``agentspec serve`` command (arguments from ``agentspec.cli``)."""
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if api_key is None and args.host not in LOOPBACK:
+    if api_key is None and args.host not in LOOPBACK and args.allow_unauthenticated:
         print(f"agentspec serve: warning: {args.host} without an API key: anyone who reaches this port can use the model "
               f"(pass --api-key or set {API_KEY_ENV}).", file=sys.stderr)
+    limits = Limits(
+        max_batch=args.max_batch,
+        max_queued=args.max_queued,
+        prefix_cache_mb=args.prefix_cache_mb,
+        max_json_depth=args.max_json_depth,
+        max_tags=args.max_tags,
+        max_shadow_rate=args.shadow_rate,
+    )
     await serve(
         args.model,
         host=args.host,
@@ -103,7 +159,13 @@ async def main(args: Any) -> int:
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,
-        limits=Limits(max_batch=args.max_batch, max_queued=args.max_queued, prefix_cache_mb=args.prefix_cache_mb),
+        limits=limits,
         log_level=args.log_level,
+        allowed_host=args.allowed_host,
+        allow_unauthenticated=args.allow_unauthenticated,
+        limit_concurrency=args.limit_concurrency,
+        max_header_bytes=args.max_header_bytes,
+        timeout_keep_alive=args.timeout_keep_alive,
+        body_timeout_s=args.body_timeout_s,
     )
     return 0

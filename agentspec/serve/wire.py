@@ -28,6 +28,7 @@ from ..errors import (
     AgentSpecError,
     ClientClosedError,
     ContextLengthError,
+    EngineError,
     EngineOverloadedError,
     InvalidRequestError,
     RequestTimeoutError,
@@ -57,6 +58,7 @@ IGNORED = ("user", "metadata", "store", "prompt_cache_key", "safety_identifier",
 NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
 OWN = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "speculative")
 KNOWN = frozenset(PASSED + IGNORED + OWN) | NEUTRAL.keys()
+DECODING_FAILED = "Decoding failed for this request (the server's log has the cause); other requests are unaffected, retry it."
 
 
 class HTTPError(Exception):
@@ -94,9 +96,13 @@ def _max_tokens(body: dict[str, Any]) -> Any:
 
 
 def _speculative(value: Any) -> Any:
-    """A bool or a SpecConfig built from an object's fields (its errors name the field)."""
+    """A bool or a SpecConfig built from an object's fields (its errors name the field). Its
+    ``shadow_rate`` is capped by the server's (``Limits.max_shadow_rate``) when the request ends."""
     if isinstance(value, dict):
-        return SpecConfig(**value)
+        try:
+            return SpecConfig(**value)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"`speculative`: {exc}") from None
     return value  # None, a bool, or a wrong type that Client.stream rejects with its own message
 
 
@@ -155,6 +161,8 @@ def error_reply(exc: BaseException) -> tuple[int, dict[str, Any]]:
         status, kind, param, code = 504, "timeout_error", None, "timeout"
     elif isinstance(exc, ClientClosedError):
         status, kind, param, code = 503, "server_error", None, "shutting_down"
+    elif isinstance(exc, EngineError):  # its text quotes the failure inside the engine (logged there): not for callers
+        return 500, {"error": {"message": DECODING_FAILED, "type": "server_error", "param": None, "code": "decoding_failed"}}
     elif isinstance(exc, AgentSpecError):
         status, kind, param, code = 500, "server_error", None, None
     else:  # a bug: its text is for the server's log, not for the caller

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -89,6 +90,26 @@ def _regex(key: str) -> str:
     return build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
 
 
+# What outlines_core's schema errors say, in agentspec's words: (its wording, ours). Each keeps only
+# the part of the schema the caller sent (a type, a reference, a format); anything else is summed up
+# in one sentence, since the compiler's own text names its internals and its issue tracker.
+_COMPILER_PROBLEMS = (
+    (re.compile(r"Unsupported type: (.{1,80})$", re.DOTALL), "the type {0!r} is not supported"),
+    (re.compile(r"Invalid reference path: (.{1,200})$", re.DOTALL), "the reference {0!r} does not resolve within the schema"),
+    (re.compile(r"Format (.{1,80}) is not supported", re.DOTALL), "the string format {0!r} is not supported"),
+    (re.compile(r"Unsupported JSON Schema structure (.{1,200}?) \n", re.DOTALL), "this part cannot be enforced: {0}"),
+)
+
+
+def _schema_problem(compiler_text: str) -> str:
+    """The compiler's complaint about a schema, as agentspec words it (see ``_COMPILER_PROBLEMS``)."""
+    for pattern, ours in _COMPILER_PROBLEMS:
+        found = pattern.search(compiler_text)
+        if found:
+            return ours.format(found.group(1).strip())
+    return "it uses a keyword or structure the grammar compiler does not support"
+
+
 def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
     """The schema's regular expression (cached; tokenizer-independent). Fast, and raises
     InvalidRequestError naming what is unsupported, so a request is rejected before any work starts.
@@ -107,7 +128,10 @@ def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
     try:
         regex = _regex(key)
     except Exception as exc:  # outlines_core names the unsupported keyword or structure
-        raise InvalidRequestError(f"Unsupported or invalid JSON schema: {exc}".strip()) from None
+        raise InvalidRequestError(
+            f"Unsupported or invalid JSON schema: {_schema_problem(str(exc))}. Use the supported subset "
+            "(type, properties, required, items, enum, const, anyOf, $ref within the schema, bounds on lengths)."
+        ) from None
     if len(regex) > MAX_REGEX_CHARS:
         raise InvalidRequestError(
             f"The JSON schema is too large to compile ({len(regex)} regex characters > {MAX_REGEX_CHARS}); "
@@ -389,8 +413,11 @@ class GrammarCompiler:
                 return self._cache[regex]
         try:
             index = Index(regex, self.vocabulary)
-        except Exception as exc:  # e.g. a pattern no sequence of tokens can match
-            raise InvalidRequestError(f"The JSON schema cannot be compiled: {exc}".strip()) from None
+        except Exception:  # e.g. a pattern no sequence of tokens can match; its text names the compiler's internals
+            raise InvalidRequestError(
+                "The JSON schema cannot be compiled into a grammar for this model's vocabulary (e.g. a `pattern` "
+                "that no sequence of tokens can match); simplify its patterns or formats."
+            ) from None
         grammar = Grammar(schema=schema, index=index, compiler=self)
         with self._lock:
             grammar = self._cache.setdefault(regex, grammar)
