@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentspec.bench.files import copy_tokenizer
 from agentspec.engine import Engine
 from agentspec.passes.arch import FAMILIES, GGUF_PROJECTIONS, describe
 from agentspec.passes.blocks import BlockPass
@@ -219,10 +220,7 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
 
     config, family = model.config, describe(model).family
     writer = gguf.GGUFWriter(str(path), {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type))
-    for field in gguf.GGUFReader(str(tokenizer_source)).fields.values():
-        if field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    copy_tokenizer(writer, tokenizer_source)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Shape", "SHAPES", "write_model_file", "quant_types"]
+__all__ = ["Shape", "SHAPES", "write_model_file", "quant_types", "copy_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -97,18 +98,26 @@ def _random_blocks(kind: str, rows: int, inputs: int, rng: np.random.Generator) 
     return raw.reshape(rows, -1)
 
 
+def copy_tokenizer(writer: Any, source: str | Path) -> int:
+    """Every ``tokenizer.*`` key of the GGUF file ``source`` (a vocabulary file, or a model's) into
+    gguf-py's ``writer``, with its value types; returns the number of tokens."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(source)).fields
+    for field in fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    return len(fields["tokenizer.ggml.tokens"].data)
+
+
 def write_model_file(shape: Shape, vocab_file: str | Path, out: str | Path, seed: int = 0) -> Path:
     """A random-weight GGUF file of ``shape`` in the Q4_K_M mix, with ``vocab_file``'s tokenizer."""
     import gguf
 
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out), shape.architecture)
-    vocab = gguf.GGUFReader(str(vocab_file))
-    for field in vocab.fields.values():
-        if field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    tokens = len(vocab.fields["tokenizer.ggml.tokens"].data)
+    tokens = copy_tokenizer(writer, vocab_file)
     if tokens != shape.vocab:
         raise ValueError(f"{vocab_file} has {tokens} tokens; this shape's vocabulary is {shape.vocab}")
     head_dim = shape.hidden // shape.heads

@@ -21,7 +21,7 @@ import torch
 from ..gguf import GGUFTensor
 
 __all__ = [
-    "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "FLOAT_TYPES", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
+    "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
     "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "Part", "unpermuted", "by_runs", "by_lanes_of_runs",
 ]
 
@@ -47,7 +47,6 @@ GGUF_TYPES = {
 # "gguf-q16" is a candidate of "auto").
 ACTIVATIONS = ("float32", "q8", "q16")
 INTEGER_ACTIVATIONS = ("q8", "q16")
-FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensors of plain floats: the products take them as float32
 # The integer products' codes (blocks.c: CODES_*), as many bytes a weight as the file's: signed bytes
 # (Q8_0's, stored + 128), 4-bit codes two to a byte as the file packs them (Q4_0's, Q4_1's, Q4_K's),
 # 5-bit ones (Q5_0's, Q5_1's, Q5_K's: the 4-bit registers, then one register of the fifth bits) and
@@ -226,6 +225,10 @@ class Blocks:
 
     def rows(self, order: torch.Tensor) -> "Blocks":
         return Blocks(self.kind, *(None if t is None else t[order].contiguous() for t in (self.codes, self.scales, self.mins, self.factors, self.supers)))
+
+    def dequantised_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as float32 weights (as ``FileBlocks.dequantised_rows``)."""
+        return self.rows(ids).dequantised()
 
     def slice(self, start: int, stop: int) -> "Blocks":
         """Outputs ``start`` .. ``stop - 1`` (views)."""

@@ -21,11 +21,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..gguf import GGUFFile, GGUFTensor, read_gguf
-from ..gguf.modules import weights_on_meta
+from ..gguf.modules import FLOAT_TYPES, weights_on_meta
 from .arch import GGUF_PROJECTIONS, describe
 from .fused import Linear, LinearFactory, fused_unsupported
 from .layouts import (
-    ACTIVATIONS, FLOAT_TYPES, GGUF_TYPES, GROUPS, INTEGER_ACTIVATIONS, Blocks, FileBlocks, IntegerLayout, Part, by_lanes_of_runs, by_runs,
+    ACTIVATIONS, GGUF_TYPES, GROUPS, INTEGER_ACTIVATIONS, Blocks, FileBlocks, IntegerLayout, Part, by_lanes_of_runs, by_runs,
     tensor_blocks, unpermuted,
 )
 from .levels import PRODUCT_SYMBOLS, block_kernels, kernels_or_reason
@@ -161,11 +161,7 @@ class GGUFBlocks:
         embedding = self.blocks.get(id(model.get_input_embeddings().weight)) if weights_on_meta(model) else None
         # A module tree's input embedding: the rows a pass needs, dequantised from the file's blocks
         # (as transformers' reader dequantises them: the same float32 bits)
-        self.embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
-        if isinstance(embedding, FileBlocks):
-            self.embedding = embedding.dequantised_rows
-        elif embedding is not None:
-            self.embedding = lambda ids: embedding.rows(ids).dequantised()
+        self.embedding: Callable[[torch.Tensor], torch.Tensor] | None = None if embedding is None else embedding.dequantised_rows
 
     @property
     def nbytes(self) -> int:
