@@ -81,8 +81,8 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
     """Decided from the measured cost curve, not a constant: 96 one-token sequences draft only above
     the acceptance at which their extra positions pay — past the calibrated shapes a pass costs in
     proportion to its positions, plus the measured cost of each sequence in it, so that crossover
-    follows from the curve itself (on this 2-core CPU about 0.4 to 0.6; where sequences cost
-    nothing extra, 1: never)."""
+    follows from the curve itself (where sequences cost nothing beyond their positions, as the
+    compiled passes on 2 cores often measure, 1: never)."""
     costs = engine.costs
 
     def drafted(rows: int, acceptance: float) -> int:
@@ -101,8 +101,8 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
     # crossover (~0.43) and calibration noise orders them either way: their order is not asserted.
     assert threshold(1) < 1.0
     many = threshold(96)
-    assert 0.9 * crossover <= many <= (1 + crossover) / 2  # 96 sequences draft only past the crossover
     if many < 1.0:
+        assert 0.9 * crossover <= many <= (1 + crossover) / 2  # 96 sequences draft only past the crossover
         assert drafted(96, many - 0.01) == 0 < drafted(96, many)
     else:  # calibration measured no cost per sequence (it happens here): a crowded pass never pays for a draft
         assert crossover > 0.98 and drafted(96, 0.99) == 0

@@ -199,12 +199,14 @@ class Engine:
                 break  # the rest are measured as passes of those shapes run (CostModel.record)
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
         # What each further sequence adds to a pass: one token each of ``segments`` sequences against
-        # one sequence of ``segments`` tokens (same positions, same linear layers), over a short past.
+        # one sequence of ``segments`` tokens (same positions, same linear layers), both over the same
+        # short past (against the shapes' past of ``context`` the attention it saves hid the cost).
         segments, past = 8, min(context, 4)
         blocks = [KVBlock(self.layout) for _ in range(segments)]
         self.forward([PackedRow(b, list(range(token, token + past)), 1) for b in blocks])
+        one = self._fastest([PackedRow(blocks[0], [token] * segments, segments)], repeats)
         ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
-        self.costs.segment_ms = max(0.0, (ms - self.costs.cost(segments)) / (segments - 1))
+        self.costs.segment_ms = max(0.0, (ms - one) / (segments - 1))
         measured = CostModel(self.costs.max_positions)
         measured.copy_from(self.costs)
         with _calibrations_lock:
