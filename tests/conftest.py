@@ -24,6 +24,23 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+VOCABULARIES = ("qwen2", "llama-bpe")  # llama.cpp's vocabulary-only GGUF files that `make install` unpacks
+
+
+def real_vocab(name: str) -> str:
+    """The path of a real tokenizer's vocabulary-only GGUF file (``ggml-vocab-NAME.gguf``: Qwen2's
+    151,936 tokens or Llama 3's 128,256), as `make install` unpacks it from llama-cpp-python's source
+    release into the virtual environment. Nothing is downloaded at test time."""
+    import sys
+
+    if name not in VOCABULARIES:
+        raise ValueError(f"no vocabulary {name!r}: one of {VOCABULARIES}")
+    path = os.path.join(sys.prefix, "share", "vocab", f"ggml-vocab-{name}.gguf")
+    if not os.path.exists(path):
+        pytest.fail(f"{path} is missing: `make install` unpacks it (rm .venv/.installed to redo the install)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def loaded() -> LoadedModel:
     """The embedded default model (SmolLM2-135M-Instruct GGUF), dequantised to fp32 on CPU."""
