@@ -7,6 +7,7 @@ and it is refused, with a reason, where it cannot run."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 import platform
 import shutil
@@ -433,3 +434,60 @@ def test_kernels_are_built_once_into_the_cache_and_refused_without_a_compiler(tm
     reused = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert reused.stdout.strip() == "built" and list(Path(tmp_path, "kernels").glob("blocks-*.so")) == libraries
     assert libraries[0].stat().st_mtime_ns == built_at  # reused, not rebuilt
+
+
+def _exact_scales(raw: np.ndarray, kind: str) -> np.ndarray:
+    """``raw`` with every float16 scale (and minimum) a power of two, so that a K-quant's scale times its
+    6-bit factor is itself a float16 value (the layout keeps float16 scales, not factors)."""
+    halves = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}.get(kind, [])
+    blocks = raw.reshape(raw.shape[0], -1, GGUF_TYPES[kind][1]).copy()
+    for at in halves:
+        blocks[..., at : at + 2] = np.full(blocks.shape[:2], 2.0**-9, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(raw.shape[0], -1)
+
+
+@pytest.mark.parametrize("kind", list(GGUF_TYPES))
+def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, tmp_path, monkeypatch):
+    """``FileRun``: the compiled repacker (blocks.c: agentspec_gguf_by_lanes) lays a mapped file's rows
+    out for the integer products in the bytes ``Blocks.by_lanes`` gives of ``tensor_blocks``, in the
+    layout they choose, on every level's lanes: random codes; codes that fit fewer bits and scales that
+    are float16 values in the first runs and not in a later one (the build starts again in the wider
+    layout); llama.cpp's interleaved rotary halves undone; and a product whose parts are two types."""
+    import gguf
+
+    from agentspec.gguf import read_gguf
+    from agentspec.passes.layouts import FileBlocks, by_lanes_of_runs
+
+    monkeypatch.setattr("agentspec.passes.layouts.RUN_WEIGHTS", 64 * 512)  # runs of 64 rows
+    generator = np.random.default_rng(len(kind))
+    narrow = _exact_scales(_random_tensor(kind, 192, 512, seed=7), kind)
+    if kind == "Q8_0":  # codes of 4 bits, then one row of bytes in the third run
+        codes = narrow.reshape(192, -1, 34)[..., 2:]
+        codes[...] = (generator.integers(-8, 8, codes.shape).astype(np.int8)).view(np.uint8)
+        codes[150, 3, 5] = 100
+    else:  # float16 scales, then one super-block of another scale in the third run
+        narrow[150] = _random_tensor(kind, 1, 512, seed=8)[0]
+    other = "Q4_1" if GGUF_TYPES[kind][0] == 256 and kind != "Q6_K" else ("Q5_0" if kind == "Q8_0" else kind)
+    tensors = {"random": _random_tensor(kind, 200, 512, seed=6), "narrow": narrow, "rotary": _random_tensor(kind, 192, 512, seed=9), "other": _random_tensor(other, 64, 512, seed=10)}
+    writer = gguf.GGUFWriter(str(tmp_path / "blocks.gguf"), "llama")
+    for name, raw in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind if name != "other" else other])
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    file = read_gguf(tmp_path / "blocks.gguf")
+    cases = [[FileBlocks(file.tensors["random"])], [FileBlocks(file.tensors["narrow"])], [FileBlocks(file.tensors["rotary"], heads=6)]]
+    if FileBlocks(file.tensors["other"]).kind == FileBlocks(file.tensors["random"]).kind:
+        cases.append([FileBlocks(file.tensors["narrow"]), FileBlocks(file.tensors["other"])])
+    for level in levels:
+        kernels = block_kernels(level)
+        for parts in cases:
+            try:
+                expected, layout = by_lanes_of_runs(parts, kernels.lanes)
+            except NotImplementedError as refused:
+                with pytest.raises(NotImplementedError, match=re.escape(str(refused))):
+                    by_lanes_of_runs(parts, kernels.lanes, kernels)
+                continue
+            laid_out, chosen = by_lanes_of_runs(parts, kernels.lanes, kernels)
+            assert chosen == layout and laid_out.shape == expected.shape and torch.equal(laid_out, expected), (level, layout, len(parts))
+    if kind in ("Q8_0", "Q4_K", "Q5_K"):  # the third run needed a wider layout than the first two: the build started again
+        first_runs = tensor_blocks(kind, narrow[:128]).integer_layout()
+        assert first_runs != by_lanes_of_runs([FileBlocks(file.tensors["narrow"])], kernels.lanes, kernels)[1]

@@ -1306,3 +1306,235 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
     }
     free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(run_first); free(run_segment);
 }
+
+/* ==== GGUF blocks into the integer products' layout ===============================================
+   What layouts.py does in two steps, tensor_blocks (the file's blocks as Blocks: codes, scales,
+   minimums, the K-quants' factors) and Blocks.by_lanes (their layout for agentspec_int_product), in
+   one pass over the file's bytes, for the rows of a run: the same bytes, about twenty times faster.
+   `rows[i]` is output i's row of GGUF blocks (the caller has undone llama.cpp's interleaving of the
+   rotary halves by the order of the pointers), `types[i]` its ggml type. */
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+/* One block of 32 weights as tensor_blocks reads it (READ_AS): its codes, its scale (Q6_K: one per
+   16 weights) and minimum as float32, and a K-quant's 8-bit factors and super-block values. */
+typedef struct {
+    int8_t code[32];   /* every kind's fits: Q8_0's bytes, Q8_1's 5 bits, Q8_16's signed 6, Q4_1's 4 */
+    float scale[2], min;
+    int8_t factor[2];   /* K-quants: of the scale (Q6_K: of each half's), then of the minimum */
+    float super[2];     /* K-quants: d, then -dmin */
+} gguf_block;
+
+static float half_value(const uint8_t *p) {
+    const uint32_t bits = p[0] | (uint32_t)p[1] << 8, exponent = (bits >> 10) & 31, mantissa = bits & 1023;
+    if (exponent == 0) { /* zero or subnormal: mantissa 2^-24, exactly */
+        const float value = (float)mantissa * 0x1p-24f;
+        return bits & 0x8000 ? -value : value;
+    }
+    const uint32_t f = (bits & 0x8000) << 16 | (exponent == 31 ? 255u << 23 : (exponent + 112) << 23) | mantissa << 13;
+    float value;
+    memcpy(&value, &f, 4);
+    return value;
+}
+
+/* Whether float32 `x` is a float16 value (as torch's x.to(float16).float() == x decides: infinities
+   are, NaN is not); *bits: its float16 bits where it is. */
+static int half_bits(float x, uint16_t *bits) {
+    uint32_t f;
+    memcpy(&f, &x, 4);
+    const uint16_t sign = (f >> 16) & 0x8000;
+    const int exponent = (int)((f >> 23) & 255) - 127;
+    const uint32_t mantissa = f & 0x7fffff;
+    if (exponent == 128) {
+        *bits = sign | 0x7c00;
+        return mantissa == 0;
+    }
+    if (exponent == -127) { /* zero, or a float32 subnormal: below float16's least value 2^-24 */
+        *bits = sign;
+        return mantissa == 0;
+    }
+    if (exponent > 15) return 0;
+    if (exponent >= -14) {
+        *bits = sign | (uint16_t)((exponent + 15) << 10) | (uint16_t)(mantissa >> 13);
+        return (mantissa & 0x1fff) == 0;
+    }
+    const int shift = -1 - exponent; /* float16 subnormal: (1.m) 2^e as k 2^-24, k = (2^23 + m) >> (-1 - e) */
+    const uint32_t full = mantissa | 0x800000;
+    if (shift > 24) return 0;
+    *bits = sign | (uint16_t)(full >> shift);
+    return (full & ((1u << shift) - 1)) == 0;
+}
+
+static int gguf_block_bytes(int type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int gguf_super(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? 8 : 1; }
+
+/* Block b (of 32 weights) of a row of `type`. */
+static void gguf_read_block(const uint8_t *row, int type, int b, gguf_block *out) {
+    const uint8_t *p = row + (size_t)(b / gguf_super(type)) * gguf_block_bytes(type);
+    const int s = b % gguf_super(type); /* the block within its K-quant super-block */
+    out->min = 0.0f, out->scale[1] = 0.0f;
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1:
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        const int mins = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+        const uint8_t *nibbles = p + 2 + 2 * mins + 4 * five;
+        const uint32_t high = five ? p[2 + 2 * mins] | (uint32_t)p[3 + 2 * mins] << 8 | (uint32_t)p[4 + 2 * mins] << 16 | (uint32_t)p[5 + 2 * mins] << 24 : 0;
+        const int offset = mins ? 0 : five ? 16 : 8;
+        for (int j = 0; j < 16; j++) {
+            out->code[j] = (int8_t)((int)((nibbles[j] & 15) | ((high >> j) & 1) << 4) - offset);
+            out->code[j + 16] = (int8_t)((int)((nibbles[j] >> 4) | ((high >> (j + 16)) & 1) << 4) - offset);
+        }
+        out->scale[0] = half_value(p);
+        if (mins) out->min = half_value(p + 2);
+        break;
+    }
+    case GGML_Q8_0:
+        for (int j = 0; j < 32; j++) out->code[j] = (int8_t)p[2 + j];
+        out->scale[0] = half_value(p);
+        break;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const uint8_t *packed = p + 4, *nibbles = p + (type == GGML_Q5_K ? 48 : 16);
+        const int scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
+        const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
+        for (int j = 0; j < 32; j++) {
+            const int code = (nibbles[32 * (s / 2) + j] >> (4 * (s % 2))) & 15;
+            out->code[j] = (int8_t)(type == GGML_Q5_K ? code | ((p[16 + j] >> s) & 1) << 4 : code);
+        }
+        const float d = half_value(p), dmin = half_value(p + 2);
+        out->scale[0] = d * (float)scale, out->min = -(dmin * (float)min);
+        out->factor[0] = (int8_t)scale, out->factor[1] = (int8_t)min;
+        out->super[0] = d, out->super[1] = -dmin;
+        break;
+    }
+    case GGML_Q6_K: {
+        const int n = s / 4, shift = 4 * ((s / 2) % 2), first = 32 * (s % 2), k = s % 4;
+        for (int j = 0; j < 32; j++)
+            out->code[j] = (int8_t)((((p[64 * n + first + j] >> shift) & 15) | ((p[128 + 32 * n + j] >> (2 * k)) & 3) << 4) - 32);
+        const float d = half_value(p + 208);
+        for (int h = 0; h < 2; h++) out->factor[h] = (int8_t)p[192 + 2 * s + h], out->scale[h] = d * (float)out->factor[h];
+        out->super[0] = d, out->super[1] = 0.0f;
+        break;
+    }
+    }
+}
+
+static int gguf_known(const int *types, int n) {
+    for (int i = 0; i < n; i++)
+        if (!gguf_block_bytes(types[i])) return 0;
+    return 1;
+}
+
+/* What the integer layout of a block depends on (Blocks.code_statistics): whether its scales (and
+   minimum) are no float16 values, its least and largest code. (Q4_1 blocks are compared as their
+   packed bytes there, unpacked here: integer_layout_of does not look at Q4_1's codes.) */
+static inline void block_statistics(const gguf_block *block, int type, int *factored, int *low, int *high) {
+    const int mins = type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K;
+    int least = block->code[0], most = block->code[0];
+    uint16_t bits;
+    for (int j = 1; j < 32; j++) least = block->code[j] < least ? block->code[j] : least, most = block->code[j] > most ? block->code[j] : most;
+    *low = least < *low ? least : *low, *high = most > *high ? most : *high;
+    /* once one is found, or Q6_K's (integer_layout_of keeps its factors whatever they are), no more to look for */
+    if (!*factored && type != GGML_Q6_K) *factored = !half_bits(block->scale[0], &bits) || (mins && !half_bits(block->min, &bits));
+}
+
+/* The statistics of rows[0..n) that choose their integer layout (layouts.integer_layout_of):
+   stats[0] = 1 where a scale or minimum is no float16 value, stats[1] and stats[2] the least and
+   largest code. -1 for a type this does not read, else 0. */
+int agentspec_gguf_statistics(const uint8_t *const *rows, const int *types, int n, int K, int threads, int stats[3]) {
+    if (n <= 0 || K % 32 || !gguf_known(types, n)) return -1;
+    const int blocks = K / 32;
+    int factored = 0, low = INT32_MAX, high = INT32_MIN;
+#pragma omp parallel for num_threads(threads) reduction(| : factored) reduction(min : low) reduction(max : high) schedule(static)
+    for (int i = 0; i < n; i++) {
+        gguf_block block;
+        for (int b = 0; b < blocks; b++) gguf_read_block(rows[i], types[i], b, &block), block_statistics(&block, types[i], &factored, &low, &high);
+    }
+    stats[0] = factored, stats[1] = low, stats[2] = high;
+    return 0;
+}
+
+/* Lane o's codes of a block in its registers (register r: 4 bytes at r LANES + o; CODES constant
+   where this is inlined): bytes, or 4-bit codes two to a byte (byte j: codes j and j + 16), then the
+   fifth bits (byte i, bit j: code 4j + i's) and the sixth. Four bytes at a time: word j is codes
+   4j .. 4j + 3, byte i of each at bits 8i. */
+static inline __attribute__((always_inline)) void lane_codes(const uint8_t u[32], const int codes, uint8_t *at, int o) {
+    uint32_t word[8], out;
+    memcpy(word, u, 32);
+    for (int r = 0; r < (codes == 0 ? 8 : 4); r++) {
+        out = codes == 0 ? word[r] : (word[r] & 0x0f0f0f0fu) | (word[4 + r] & 0x0f0f0f0fu) << 4;
+        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
+    }
+    for (int bit = 4; bit < 3 + codes; bit++) {
+        out = 0;
+        for (int j = 0; j < 8; j++) out |= ((word[j] >> bit) & 0x01010101u) << j; /* byte i, bit j: word j's byte i's bit */
+        memcpy(at + ((size_t)bit * LANES + o) * 4, &out, 4);
+    }
+}
+
+/* rows[0..n) as Blocks.by_lanes(LANES, layout) lays them out (codes: 0 bytes, 1 4-bit, 2 5-bit,
+   3 6-bit; mins, factored, halves: IntegerLayout's), n padded to a multiple of LANES with zeros:
+   [ceil(n / LANES), bytes a group] into `out`; and, where `stats` is not NULL, their statistics
+   (agentspec_gguf_statistics: a run laid out in the layout of the runs before it says on the way
+   whether it needs a wider one). A group's blocks are written in turn, each from its
+   LANES rows, so what is written stays in the cache. -1 where this does not read a type, else 0. */
+int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n, int K, int codes, int mins, int factored, int halves, int threads,
+                            uint8_t *out, int *stats) {
+    if (n <= 0 || K % 32 || codes < 0 || codes > 3 || !gguf_known(types, n)) return -1;
+    const int blocks = K / 32, groups = (n + LANES - 1) / LANES, registers = codes == 0 ? 8 : 3 + codes;
+    const int offset = mins ? 0 : (int[]){128, 8, 16, 32}[codes], scales = halves ? 2 : 1;
+    const size_t code_bytes = (size_t)registers * 4 * LANES;
+    const size_t block_bytes = factored ? code_bytes + (size_t)(scales + mins) * LANES : code_bytes + (size_t)(scales + mins) * 2 * LANES;
+    const size_t super_bytes = factored ? (size_t)(1 + mins) * 2 * LANES : 0, supers = factored ? (size_t)(blocks + 7) / 8 : 0;
+    const size_t group_bytes = supers * super_bytes + (size_t)blocks * block_bytes;
+    int found_factored = 0, low = INT32_MAX, high = INT32_MIN;
+#pragma omp parallel for num_threads(threads) reduction(| : found_factored) reduction(min : low) reduction(max : high) schedule(static)
+    for (int g = 0; g < groups; g++) {
+        const int lanes = n - g * LANES < LANES ? n - g * LANES : LANES; /* the last group's others are zeros */
+        uint8_t *group = out + g * group_bytes;
+        memset(group, 0, group_bytes);
+        for (int b = 0; b < blocks; b++) {
+            /* a group: per super-block of 8 blocks (factored), its values, then its blocks */
+            uint8_t *at = group + (factored ? (size_t)(b / 8 + 1) * super_bytes : 0) + (size_t)b * block_bytes, *values = at + code_bytes;
+            for (int o = 0; o < lanes; o++) {
+                gguf_block block;
+                uint16_t bits;
+                gguf_read_block(rows[g * LANES + o], types[g * LANES + o], b, &block);
+                if (stats) block_statistics(&block, types[g * LANES + o], &found_factored, &low, &high);
+                if (factored && b % 8 == 0)
+                    for (int k = 0; k < 1 + mins; k++) half_bits(block.super[k], &bits), memcpy(at - super_bytes + ((size_t)k * LANES + o) * 2, &bits, 2);
+                uint8_t u[32]; /* unsigned codes: offset where there is no minimum (wrapping as a byte) */
+                for (int j = 0; j < 32; j++) u[j] = (uint8_t)(block.code[j] + offset);
+                switch (codes) { /* constants inside */
+                case 0: lane_codes(u, 0, at, o); break;
+                case 1: lane_codes(u, 1, at, o); break;
+                case 2: lane_codes(u, 2, at, o); break;
+                default: lane_codes(u, 3, at, o); break;
+                }
+                if (factored) {
+                    for (int k = 0; k < scales + mins; k++) values[(size_t)k * LANES + o] = (uint8_t)block.factor[k];
+                } else {
+                    for (int k = 0; k < scales; k++) half_bits(block.scale[k], &bits), memcpy(values + ((size_t)k * LANES + o) * 2, &bits, 2);
+                    if (mins) half_bits(block.min, &bits), memcpy(values + ((size_t)scales * LANES + o) * 2, &bits, 2);
+                }
+            }
+        }
+    }
+    if (stats) stats[0] = found_factored, stats[1] = low, stats[2] = high;
+    return 0;
+}

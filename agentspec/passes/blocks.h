@@ -7,6 +7,7 @@
 #define AGENTSPEC_BLOCKS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define INTEGER_KIND 4 /* blocks.py: _blocks_arg */
 
@@ -53,6 +54,12 @@ void agentspec_q8_16_product(const float *x, int M, int K, const void *few, cons
 void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 /* the same on rows quantised to 8 or 16 bits, W's blocks by lanes in an integer layout (INT_LAYOUT) */
 void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads);
+/* rows of GGUF blocks (rows[i]: output i's, of ggml type types[i]) laid out for agentspec_int_product
+   straight from the file's bytes (layouts.py: FileRun), and the statistics that choose the layout
+   (by_lanes finds them on the way where `stats` is not NULL); 0, or -1 for a type they do not read */
+int agentspec_gguf_statistics(const uint8_t *const *rows, const int *types, int n, int K, int threads, int stats[3]);
+int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n, int K, int codes, int mins, int factored, int halves, int threads,
+                            uint8_t *out, int *stats);
 /* the decoder layers of a pass over `T` tokens of `nseg` sequences (blocks.c says what each does) */
 void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const agentspec_layer *weights,
                       const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const agentspec_segment *segments,

@@ -11,6 +11,7 @@ layout from it in runs of rows, so no whole matrix is ever converted at once.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -18,11 +19,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..gguf import GGUFTensor
+from ..gguf import GGML_TYPES, GGUFTensor
 
 __all__ = [
     "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
-    "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "Part", "unpermuted", "by_runs", "by_lanes_of_runs",
+    "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "FileRun", "Part", "unpermuted", "by_runs", "by_lanes_of_runs",
 ]
 
 BLOCK = 32  # weights per block, both types
@@ -117,6 +118,11 @@ class Blocks:
     @property
     def has_mins(self) -> bool:
         return self.kind in ("Q4_1", "Q8_1")
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether they keep a K-quant's factors (``factors``, ``supers``)."""
+        return self.factors is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -356,6 +362,17 @@ class FileBlocks:
         self.tensor.file.release(self.tensor, slice(start, stop))  # converted: the file's pages may go
         return blocks
 
+    def row_addresses(self, start: int, stop: int) -> np.ndarray:
+        """Where outputs ``start`` .. ``stop - 1`` lie in the mapping (uint64 addresses of their rows of
+        GGUF blocks; with ``heads``, the rows llama.cpp's converter moved them to)."""
+        data = self.tensor.data
+        rows = np.arange(start, stop, dtype=np.uint64)
+        if self.heads is not None:  # within a head, output t * half + j was stored as row 2j + t (unpermuted)
+            per = self.shape[0] // self.heads
+            within, half = rows % per, per // 2
+            rows = rows - within + within % half * 2 + within // half
+        return data.ctypes.data + rows * np.uint64(data.shape[1])
+
     def dequantised_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 weights (an embedding's: its rows in the file's order), read from
         the file (``GGUFFile.read_rows``) without mapping its pages."""
@@ -368,16 +385,88 @@ class FileBlocks:
 
 Part = Blocks | FileBlocks
 
+# The GGUF types the kernels' repacker reads (blocks.c: agentspec_gguf_by_lanes), by ggml type number
+GGML_NUMBERS = {name: number for number, (name, _, _) in GGML_TYPES.items() if name in GGUF_TYPES}
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
-def _run(parts: Sequence[Part], first: int, last: int) -> Blocks:
-    """Outputs ``first`` .. ``last - 1`` of the outputs of ``parts`` in turn (one kind), as blocks."""
+
+class FileRun:
+    """A run of outputs of mapped GGUF matrices (``FileBlocks``) not converted yet, which the compiled
+    kernels lay out for the integer products straight from the file's bytes (blocks.c:
+    ``agentspec_gguf_statistics``, ``agentspec_gguf_by_lanes``: the same bytes as ``Blocks.by_lanes``
+    of ``tensor_blocks``, about twenty times faster); its pages of the file are let go once laid out."""
+
+    def __init__(self, pieces: Sequence[tuple[FileBlocks, int, int]], kernels) -> None:
+        self.kernels, self.pieces = kernels, list(pieces)
+        first = self.pieces[0][0]
+        self.kind, self.inputs = first.kind, first.shape[1]
+        self.addresses = np.ascontiguousarray(np.concatenate([part.row_addresses(start, stop) for part, start, stop in self.pieces]))
+        self.types = np.concatenate([np.full(stop - start, GGML_NUMBERS[part.tensor.type_name], np.int32) for part, start, stop in self.pieces])
+        self.has_factors = all(part.tensor.type_name in _K_QUANTS for part, _, _ in self.pieces)
+
+    @property
+    def outputs(self) -> int:
+        return len(self.addresses)
+
+    def code_statistics(self) -> tuple[bool, int, int]:
+        """As ``Blocks.code_statistics`` (Q4_1's codes compared unpacked: ``integer_layout_of`` does
+        not look at them)."""
+        stats = (ctypes.c_int * 3)()
+        if self.kernels.agentspec_gguf_statistics(self.addresses.ctypes.data, self.types.ctypes.data, self.outputs, self.inputs, torch.get_num_threads(), stats):
+            raise ValueError("the kernels' repacker does not read these blocks")
+        return bool(stats[0]), stats[1], stats[2]
+
+    def by_lanes(self, lanes: int, layout: IntegerLayout) -> torch.Tensor:
+        """``Blocks.by_lanes(lanes, layout)`` of these outputs, from the file's bytes; then their pages go."""
+        return self._by_lanes(lanes, layout, None)
+
+    def by_lanes_and_statistics(self, lanes: int, layout: IntegerLayout) -> tuple[torch.Tensor, tuple[bool, int, int]]:
+        """``by_lanes`` and ``code_statistics`` in one reading of the file (a run written in the
+        layout of the runs before it finds on the way whether it needs a wider one)."""
+        stats = (ctypes.c_int * 3)()
+        return self._by_lanes(lanes, layout, stats), (bool(stats[0]), stats[1], stats[2])
+
+    def _by_lanes(self, lanes: int, layout: IntegerLayout, stats) -> torch.Tensor:
+        if lanes != self.kernels.lanes:
+            raise ValueError(f"the kernels lay out {self.kernels.lanes} lanes, not {lanes}")
+        size = _group_bytes(self.kind, self.inputs, lanes, layout)
+        out = torch.empty(-(-self.outputs // lanes), size, dtype=torch.uint8)
+        codes = INTEGER_CODES.index(layout.codes)
+        if self.kernels.agentspec_gguf_by_lanes(
+            self.addresses.ctypes.data, self.types.ctypes.data, self.outputs, self.inputs, codes, layout.mins, layout.factored, layout.halves,
+            torch.get_num_threads(), out.data_ptr(), stats,
+        ):
+            raise ValueError("the kernels' repacker does not read these blocks")
+        for part, start, stop in self.pieces:
+            part.tensor.file.release(part.tensor, slice(start, stop))  # laid out: the file's pages may go
+        if not layout.factored:
+            return out.view(out.shape[0], -(-self.inputs // BLOCK), -1)  # [groups, blocks, bytes per block], as Blocks.by_lanes
+        return out
+
+
+def _group_bytes(kind: str, inputs: int, lanes: int, layout: IntegerLayout) -> int:
+    """Bytes of a group of ``lanes`` outputs in ``layout`` (``Blocks.by_lanes``)."""
+    blocks = inputs // BLOCK
+    registers = 8 if layout.codes == "bytes" else 3 + INTEGER_CODES.index(layout.codes)
+    values = (2 if layout.halves else 1) + layout.mins  # scales (and minimums) a block
+    if not layout.factored:
+        return blocks * (registers * 4 + values * 2) * lanes
+    return -(-blocks // SUPER) * (1 + layout.mins) * 2 * lanes + blocks * (registers * 4 + values) * lanes
+
+
+def _run(parts: Sequence[Part], first: int, last: int, kernels=None) -> Blocks | FileRun:
+    """Outputs ``first`` .. ``last - 1`` of the outputs of ``parts`` in turn (one kind), as blocks; or,
+    with ``kernels``, as a ``FileRun`` (every part a ``FileBlocks``)."""
     pieces, start = [], 0
     for part in parts:
         stop = start + part.shape[0]
         if start < last and stop > first:
-            pieces.append(part.slice(max(first, start) - start, min(last, stop) - start))
+            pieces.append((part, max(first, start) - start, min(last, stop) - start))
         start = stop
-    return pieces[0] if len(pieces) == 1 else Blocks.stack(pieces)
+    if kernels is not None:
+        return FileRun(pieces, kernels)  # type: ignore[arg-type]
+    blocks = [part.slice(begin, end) for part, begin, end in pieces]
+    return blocks[0] if len(blocks) == 1 else Blocks.stack(blocks)
 
 
 def _run_rows(inputs: int) -> int:
@@ -388,14 +477,14 @@ class _Relayout(Exception):
     """A run's blocks need another integer layout than the runs before them took."""
 
 
-def by_runs(parts: Sequence[Part], group: int, layout_of: Callable[[Blocks], torch.Tensor]) -> torch.Tensor:
+def by_runs(parts: Sequence[Part], group: int, layout_of: Callable[[Blocks], torch.Tensor], kernels=None) -> torch.Tensor:
     """``layout_of`` (a layout in groups of ``group`` outputs, ``[groups, ...]``) of the outputs of
-    ``parts`` in turn, built in runs of rows into one tensor."""
+    ``parts`` in turn, built in runs of rows into one tensor (``FileRun`` s with ``kernels``)."""
     outputs = sum(part.shape[0] for part in parts)
     rows = _run_rows(parts[0].shape[1])
     out, group_at = None, 0
     for first in range(0, outputs, rows):
-        piece = layout_of(_run(parts, first, min(first + rows, outputs)))
+        piece = layout_of(_run(parts, first, min(first + rows, outputs), kernels))
         if out is None:
             out = torch.empty(-(-outputs // group), *piece.shape[1:], dtype=piece.dtype)
         out[group_at : group_at + piece.shape[0]] = piece
@@ -403,31 +492,38 @@ def by_runs(parts: Sequence[Part], group: int, layout_of: Callable[[Blocks], tor
     return out
 
 
-def by_lanes_of_runs(parts: Sequence[Part], lanes: int) -> tuple[torch.Tensor, IntegerLayout]:
+def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[torch.Tensor, IntegerLayout]:
     """``Blocks.by_lanes`` of the outputs of ``parts`` in turn, built in runs of rows, and the layout:
     the one their codes and scales take together (``integer_layout_of``). Each run is written in the
     layout of the runs so far; a run that needs a wider one (larger codes, scales that are not
     float16 values) starts the build again in it — the layouts only widen, and a matrix's runs
     nearly always agree, so the file is nearly always read once. ``NotImplementedError`` where the
-    integer products cannot take them."""
+    integer products cannot take them. ``kernels`` (of ``lanes``): parts that are all ``FileBlocks``
+    are laid out by them straight from the file (``FileRun``)."""
     kind, statistics, factors = parts[0].kind, None, True
+    if kernels is not None and not all(isinstance(part, FileBlocks) and part.tensor.type_name in GGML_NUMBERS for part in parts):
+        kernels = None
     while True:
         layout: IntegerLayout | None = None
 
-        def layout_of(run: Blocks) -> torch.Tensor:
+        def layout_of(run: Blocks | FileRun) -> torch.Tensor:
             nonlocal layout, statistics, factors
-            found = run.code_statistics()
+            laid_out = None
+            if layout is not None and isinstance(run, FileRun):  # in the layout so far, the statistics found on the way
+                laid_out, found = run.by_lanes_and_statistics(lanes, layout)
+            else:
+                found = run.code_statistics()
             statistics = found if statistics is None else (statistics[0] or found[0], min(statistics[1], found[1]), max(statistics[2], found[2]))
-            factors = factors and run.factors is not None
+            factors = factors and run.has_factors
             wanted = integer_layout_of(kind, factors, *statistics)
             if isinstance(wanted, str):
                 raise NotImplementedError(wanted)
             if layout is not None and wanted != layout:
                 raise _Relayout
             layout = wanted
-            return run.by_lanes(lanes, wanted)
+            return laid_out if laid_out is not None else run.by_lanes(lanes, wanted)
 
         try:
-            return by_runs(parts, lanes, layout_of), layout
+            return by_runs(parts, lanes, layout_of, kernels), layout
         except _Relayout:
             continue  # again, from the first run, with what the runs so far need (kept in ``statistics``)

@@ -210,6 +210,10 @@ def _build(name: str) -> ctypes.CDLL | str:
     # (layout, x, M, K, blocks by lanes, y, N, threads)
     kernels.agentspec_int_product.argtypes = [integer, pointer, integer, integer, pointer, pointer, integer, integer]
     kernels.agentspec_int_product.restype = None
+    # (row addresses, ggml types, outputs, inputs, [codes, mins, factored, halves,] threads, [out,] stats or NULL): 0, or -1 for a type it does not read
+    kernels.agentspec_gguf_statistics.argtypes = [pointer, pointer, integer, integer, integer, pointer]
+    kernels.agentspec_gguf_by_lanes.argtypes = [pointer, pointer, integer, integer, integer, integer, integer, integer, integer, pointer, pointer]
+    kernels.agentspec_gguf_statistics.restype = kernels.agentspec_gguf_by_lanes.restype = integer
     # (hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, scaling, residual_scale, segments, nseg,
     #  key_half, value_half, threads)
     kernels.agentspec_layers.argtypes = [

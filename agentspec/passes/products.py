@@ -211,7 +211,7 @@ class BlockProduct:
         self.kind, self.activations, self.isa = parts[0].kind, activations, kernels.isa
         self.layout: IntegerLayout | None = None  # how the integer products read the blocks
         if activations in INTEGER_ACTIVATIONS:  # one layout: every row count reads a register's outputs' blocks as one run of memory
-            self.few, self.layout = by_lanes_of_runs(parts, kernels.lanes)  # NotImplementedError where integer_layout_of says why not
+            self.few, self.layout = by_lanes_of_runs(parts, kernels.lanes, kernels)  # NotImplementedError where integer_layout_of says why not
             self.many = None
             self.function = functools.partial(kernels.agentspec_int_product, self.layout.number(activations))
         else:
