@@ -416,21 +416,24 @@ class FileRun:
             raise ValueError("the kernels' repacker does not read these blocks")
         return bool(stats[0]), stats[1], stats[2]
 
-    def by_lanes(self, lanes: int, layout: IntegerLayout) -> torch.Tensor:
-        """``Blocks.by_lanes(lanes, layout)`` of these outputs, from the file's bytes; then their pages go."""
-        return self._by_lanes(lanes, layout, None)
+    def by_lanes(self, lanes: int, layout: IntegerLayout, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``Blocks.by_lanes(lanes, layout)`` of these outputs, from the file's bytes (written ``into``
+        a contiguous tensor of that shape where given); then their pages go."""
+        return self._by_lanes(lanes, layout, into, None)
 
-    def by_lanes_and_statistics(self, lanes: int, layout: IntegerLayout) -> tuple[torch.Tensor, tuple[bool, int, int]]:
+    def by_lanes_and_statistics(self, lanes: int, layout: IntegerLayout, into: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[bool, int, int]]:
         """``by_lanes`` and ``code_statistics`` in one reading of the file (a run written in the
         layout of the runs before it finds on the way whether it needs a wider one)."""
         stats = (ctypes.c_int * 3)()
-        return self._by_lanes(lanes, layout, stats), (bool(stats[0]), stats[1], stats[2])
+        return self._by_lanes(lanes, layout, into, stats), (bool(stats[0]), stats[1], stats[2])
 
-    def _by_lanes(self, lanes: int, layout: IntegerLayout, stats) -> torch.Tensor:
+    def _by_lanes(self, lanes: int, layout: IntegerLayout, into: torch.Tensor | None, stats) -> torch.Tensor:
         if lanes != self.kernels.lanes:
             raise ValueError(f"the kernels lay out {self.kernels.lanes} lanes, not {lanes}")
-        size = _group_bytes(self.kind, self.inputs, lanes, layout)
-        out = torch.empty(-(-self.outputs // lanes), size, dtype=torch.uint8)
+        groups, size = -(-self.outputs // lanes), _group_bytes(self.kind, self.inputs, lanes, layout)
+        if into is not None and (into.dtype != torch.uint8 or not into.is_contiguous() or into.numel() != groups * size):
+            raise ValueError(f"a run's layout is {groups} x {size} bytes, contiguous")
+        out = torch.empty(groups, size, dtype=torch.uint8) if into is None else into.view(groups, size)
         codes = INTEGER_CODES.index(layout.codes)
         if self.kernels.agentspec_gguf_by_lanes(
             self.addresses.ctypes.data, self.types.ctypes.data, self.outputs, self.inputs, codes, layout.mins, layout.factored, layout.halves,
@@ -439,6 +442,8 @@ class FileRun:
             raise ValueError("the kernels' repacker does not read these blocks")
         for part, start, stop in self.pieces:
             part.tensor.file.release(part.tensor, slice(start, stop))  # laid out: the file's pages may go
+        if into is not None:
+            return into
         if not layout.factored:
             return out.view(out.shape[0], -(-self.inputs // BLOCK), -1)  # [groups, blocks, bytes per block], as Blocks.by_lanes
         return out
@@ -477,17 +482,22 @@ class _Relayout(Exception):
     """A run's blocks need another integer layout than the runs before them took."""
 
 
-def by_runs(parts: Sequence[Part], group: int, layout_of: Callable[[Blocks], torch.Tensor], kernels=None) -> torch.Tensor:
+def by_runs(parts: Sequence[Part], group: int, layout_of: Callable[..., torch.Tensor], kernels=None) -> torch.Tensor:
     """``layout_of`` (a layout in groups of ``group`` outputs, ``[groups, ...]``) of the outputs of
-    ``parts`` in turn, built in runs of rows into one tensor (``FileRun`` s with ``kernels``)."""
+    ``parts`` in turn, built in runs of rows into one tensor. With ``kernels``, each run is a
+    ``FileRun`` and, after the first, ``layout_of(run, into)`` may write its layout ``into`` its part
+    of the tensor (and return that)."""
     outputs = sum(part.shape[0] for part in parts)
     rows = _run_rows(parts[0].shape[1])
     out, group_at = None, 0
     for first in range(0, outputs, rows):
-        piece = layout_of(_run(parts, first, min(first + rows, outputs), kernels))
+        run = _run(parts, first, min(first + rows, outputs), kernels)
+        into = None if out is None or kernels is None else out[group_at : group_at + -(-run.outputs // group)]
+        piece = layout_of(run) if into is None else layout_of(run, into)
         if out is None:
             out = torch.empty(-(-outputs // group), *piece.shape[1:], dtype=piece.dtype)
-        out[group_at : group_at + piece.shape[0]] = piece
+        if piece is not into:
+            out[group_at : group_at + piece.shape[0]] = piece
         group_at += piece.shape[0]
     return out
 
@@ -506,11 +516,11 @@ def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[t
     while True:
         layout: IntegerLayout | None = None
 
-        def layout_of(run: Blocks | FileRun) -> torch.Tensor:
+        def layout_of(run: Blocks | FileRun, into: torch.Tensor | None = None) -> torch.Tensor:
             nonlocal layout, statistics, factors
             laid_out = None
             if layout is not None and isinstance(run, FileRun):  # in the layout so far, the statistics found on the way
-                laid_out, found = run.by_lanes_and_statistics(lanes, layout)
+                laid_out, found = run.by_lanes_and_statistics(lanes, layout, into)
             else:
                 found = run.code_statistics()
             statistics = found if statistics is None else (statistics[0] or found[0], min(statistics[1], found[1]), max(statistics[2], found[2]))
