@@ -280,6 +280,10 @@ def _transformers_model(ref: str | Path | None, device: torch.device, dtype: tor
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    if gguf is not None:  # from the file or its snapshot: the rotary factors transformers' reader drops
+        from .gguf.modules import apply_rope_factors
+
+        apply_rope_factors(model, gguf)
     if snapshot is not None and "gguf_file" in kwargs:
         try:
             _write_snapshot(model, tokenizer, snapshot)

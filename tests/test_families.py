@@ -208,9 +208,31 @@ def test_generic_pass_runs_soft_capped_attention(loaded):
     assert decode(generic, ids, params)[0].tokens == decode(fused, ids, params)[0].tokens
 
 
+def llama3_rope_factors(rope: dict, head_dim: int) -> "np.ndarray":
+    """Llama 3.x's RoPE scaling as llama.cpp's converter writes it (conversion/llama.py:
+    ``rope_freqs.weight``): per rotary frequency, the factor its angle is divided by."""
+    import math
+
+    import numpy as np
+
+    base, factor, low, high, context = rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    factors = []
+    for frequency in (1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).tolist():
+        wavelength = 2 * math.pi / frequency
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[str, str] | None = None) -> None:
     """``model`` as llama.cpp's converter writes its family — Llama's q/k rows with their rotary
-    halves interleaved, Gemma's norms as 1 + w, Gemma 3 as architecture ``gemma3`` — its
+    halves interleaved, Gemma's norms as 1 + w, Gemma 3 as architecture ``gemma3``, Llama 3's RoPE
+    scaling as a factor per frequency (``rope_freqs.weight``) — its
     projections and LM head (unless tied) in ``quant`` blocks (gguf-py's quantiser), the rest float32,
     with the tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some
     tensors, by name. What the metadata says is what llama.cpp's GGUF keys hold (sizes, heads, RoPE
@@ -272,6 +294,8 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
     add("output_norm.weight", body.norm.weight)
     if not config.tie_word_embeddings:
         add("output.weight", model.lm_head.weight, quantised=True)
+    if (rope.get("full_attention") or rope).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -103,6 +103,29 @@ def test_an_engine_on_the_file_alone_decodes_speculatively_as_plainly(family_fil
     assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
 
 
+@torch.inference_mode()
+def test_llama_3s_rotary_scaling_survives_the_file(loaded, tmp_path):
+    """Llama 3.x's RoPE scaling: llama.cpp's converter writes it as a factor per rotary frequency
+    (``rope_freqs.weight``), which transformers' GGUF reader drops. agentspec divides each frequency
+    by its factor, as llama.cpp's RoPE does, on the file alone and on the float model alike: the
+    frequencies are the original checkpoint's (rope_type "llama3") to float32 rounding, and the pass
+    on the file gives the original model's logits (its weights are Q8_0 values)."""
+    model = family_model("llama", loaded.vocab_size, seed=8)
+    q8_0_blocks(model)
+    path = tmp_path / "llama3-rope.gguf"
+    write_gguf(model, loaded.gguf_file, path)
+    read = read_model(path, CPU, F32)
+    original, ours = model.model.rotary_emb.inv_freq, read.module.model.rotary_emb.inv_freq
+    dim = original.numel() * 2
+    unscaled = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    assert not torch.allclose(original, unscaled, rtol=1e-3)  # a scaling to lose
+    torch.testing.assert_close(ours, original, rtol=1e-6, atol=0)
+    assert torch.equal(read.model.model.rotary_emb.inv_freq, ours)
+    use_packed_attention(model)
+    forward = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear))
+    assert check_packed(model, KVLayout.of(model), 1e-3, forward=forward) <= 1e-3
+
+
 @pytest.mark.parametrize("vocabulary", ["default", *VOCABULARIES])
 def test_the_tokenizer_from_the_metadata_is_transformers(vocabulary):
     """The tokenizer built from ``tokenizer.ggml.*`` encodes, decodes and renders the chat template as

@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from .reader import GGML_TYPES, GGUFFile, GGUFTensor
 
-__all__ = ["module_tree", "float_array", "weights_on_meta", "FLOAT_TYPES"]
+__all__ = ["module_tree", "apply_rope_factors", "ROPE_FACTORS", "float_array", "weights_on_meta", "FLOAT_TYPES"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -70,14 +70,36 @@ def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozens
             weights = _dequantised(tensor)
         result = processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters={})
         if result.name not in names:
-            continue  # a tensor transformers' model has no parameter for (rope_freqs.weight: its rotary scaling comes from the config)
+            continue  # a tensor transformers' model has no parameter for (rope_freqs.weight: apply_rope_factors)
         with warnings.catch_warnings():  # a read-only view of the mapping: nothing writes a parameter
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             value = torch.from_numpy(np.ascontiguousarray(result.weights))
         _assign(model, names[result.name], value)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    apply_rope_factors(model, gguf)
     return model.eval().requires_grad_(False)
+
+
+ROPE_FACTORS = "rope_freqs.weight"
+
+
+def apply_rope_factors(model: nn.Module, gguf: GGUFFile) -> None:
+    """llama.cpp's rotary frequency factors, where the file has them (``rope_freqs.weight``: Llama
+    3.1's and 3.2's long-context scaling, which llama.cpp's converter writes as a tensor of factors
+    and not as metadata): each rotary frequency of ``model`` divided by its factor, as llama.cpp's
+    RoPE divides the angle. transformers' GGUF reader drops the tensor, and with it the scaling."""
+    tensor = gguf.tensors.get(ROPE_FACTORS)
+    if tensor is None:
+        return
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inverse = getattr(rotary, "inv_freq", None)
+    factors = torch.from_numpy(np.array(float_array(tensor), dtype=np.float32)).reshape(-1)
+    if inverse is None or inverse.shape != factors.shape or not bool((factors > 0).all()):
+        shape = None if inverse is None else tuple(inverse.shape)
+        raise ModelLoadError(f"{gguf.path}: its {ROPE_FACTORS} ({tuple(factors.shape)}) does not fit the model's rotary frequencies ({shape}), or is not positive")
+    rotary.inv_freq = (inverse.float() / factors.to(inverse.device)).to(inverse.dtype)
+    rotary.original_inv_freq = rotary.inv_freq
 
 
 def _parameter_names(model: nn.Module, gguf: GGUFFile) -> dict[str, str]:
