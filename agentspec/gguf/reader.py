@@ -56,6 +56,7 @@ _ELEMENTS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.
 # Metadata value types (gguf.h: enum gguf_type): struct format of the fixed-size ones
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's length
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
@@ -162,6 +163,25 @@ class _Cursor:
         self.at += length
         return raw.decode("utf-8", "replace")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in turn (``string``'s, in one loop: a vocabulary's 151,936 tokens and
+        151,387 merges)."""
+        buffer, at, end, length_at = self.buffer, self.at, self.end, _LENGTH.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if at + 8 > end:
+                break
+            (length,) = length_at(buffer, at)
+            if at + 8 + length > end:
+                break
+            append(buffer[at + 8 : at + 8 + length].decode("utf-8", "replace"))
+            at += 8 + length
+        self.at = at
+        if len(out) < count:  # the file ends inside the string that did not fit: say where
+            self.string(what)
+        return out
+
     def value(self, kind: int, what: str) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind], what)
@@ -181,7 +201,7 @@ class _Cursor:
             return values
         if item == _STRING:
             self.need(count * 8, f"{what}'s {count} strings")  # each at least its 8-byte length
-            return [self.string(what) for _ in range(count)]
+            return self.strings(count, what)
         if item == _ARRAY:
             raise self.fail(f"{what} is an array of arrays, which no model file agentspec reads has")
         raise self.fail(f"{what} is an array of an unknown value type {item}")
