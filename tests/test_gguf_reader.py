@@ -112,6 +112,10 @@ MALFORMED = {
     "huge tensor count": (gguf_bytes(tensors=HUGE), f"{HUGE} tensor infos"),
     "huge array count": (gguf_bytes(_metadata("tokenizer.ggml.scores", 9, struct.pack("<IQ", 6, HUGE)), 1), f"'tokenizer.ggml.scores''s {HUGE} items"),
     "huge string array": (gguf_bytes(_metadata("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, HUGE)), 1), f"{HUGE} strings"),
+    "string past the end in an array": (
+        gguf_bytes(_metadata("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + _string("ok") + struct.pack("<Q", 2**20)), 1),
+        "'tokenizer.ggml.tokens' at byte .* needs 1048576 bytes",
+    ),
     "huge string": (gguf_bytes(_metadata("general.name", 8, struct.pack("<Q", HUGE)), 1), f"'general.name' at byte .* needs {HUGE} bytes"),
     "unknown value type": (gguf_bytes(_metadata("general.name", 13, b""), 1), "'general.name' has an unknown value type 13"),
     "unknown array type": (gguf_bytes(_metadata("general.tags", 9, struct.pack("<IQ", 99, 1)), 1), "array of an unknown value type 99"),
