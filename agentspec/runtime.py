@@ -14,7 +14,8 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
   ``EngineOverloadedError``), admitted in order as room and the keys/values budget allow.
 - Deadlines: a request with a ``timeout`` that runs past it (queueing included) ends with
   ``RequestTimeoutError``; what it streamed before stands.
-- Shadow checks (``shadow``) decode one step at a time, only while no request is active or queued.
+- Shadow checks (``shadow``) decode one step at a time, only while no request is active or queued;
+  so do the pass shapes calibration left (``Engine.calibrate(idle=True)``), one pass at a time, first.
 - All torch work of a client runs on this one thread, model loading and calibration included
   (``call``). With libgomp, every thread that runs a parallel torch op keeps its own OpenMP team,
   and once a process has more OpenMP threads than cores, every team stops spin-waiting, which slows
@@ -210,11 +211,12 @@ class Runtime:
                 jobs, self._jobs = self._jobs, []
                 stopping = self._stopping
                 idle = not stopping and not self._incoming and not jobs and not self._active
-                if idle and not self._shadows:
+                calibrating = self.engine is not None and self.engine.calibrating
+                if idle and not self._shadows and not calibrating:
                     self._cond.wait()
                     continue
-            if idle:
-                self._shadow_step()
+            if idle:  # one pass of what calibration left (Engine.calibrate(idle=True)), else of a shadow check
+                self.engine.calibrate_idle() if calibrating else self._shadow_step()
                 continue
             for fn, future in jobs:
                 if future.set_running_or_notify_cancel():

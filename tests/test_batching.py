@@ -108,6 +108,50 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
         assert crossover > 0.98 and drafted(96, 0.99) == 0
 
 
+def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
+    """``calibrate(idle=True)`` (a client's start-up) measures the plain step and the longest
+    verification, and leaves the other shapes to ``calibrate_idle``: one pass a call (a request that
+    arrives waits for one at most), shapes not measured yet, until none or the budget is left."""
+    engine = Engine(loaded, max_draft_tokens=5)
+    passes: list[int] = []
+    forward = engine.forward
+
+    def counted(rows):
+        passes.append(sum(len(row.tokens) for row in rows))
+        return forward(rows)
+
+    engine.forward = counted
+    engine.calibrate(idle=True)
+    shapes = range(1, engine.costs.max_positions + 1)
+    assert [p for p in shapes if engine.costs.measured(p)] == [1, 6] and engine.calibrating
+    engine.costs.record(2, 5.0)  # a pass of 2 positions ran meanwhile: not measured again
+    calls = 0
+    while engine.calibrating:
+        before = len(passes)
+        engine.calibrate_idle()
+        assert len(passes) - before <= 1
+        calls += 1
+    assert 2 not in passes[passes.index(6) + 3 :]  # after the start's runs of 6
+    assert calls > 3 and sum(engine.costs.measured(p) for p in shapes) > 3
+
+
+async def test_a_client_measures_the_shapes_left_while_it_is_idle(loaded):
+    """A client starts after measuring two pass shapes; its worker thread measures the rest while no
+    request runs, and a request that arrives meanwhile is served (its output as a quiet client's)."""
+    spec = SpecConfig(max_draft_tokens=23)  # shapes no other engine of the session measured (16: the default): no reuse
+    async with agentspec.Client(spec=spec) as client:
+        costs = client.engine.costs
+        at_start = sum(costs.measured(p) for p in range(1, costs.max_positions + 1))
+        reply = await client.generate([{"role": "user", "content": "Say hi."}], max_tokens=4, speculative=False)
+        deadline = time.monotonic() + 60
+        while client.engine.calibrating and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not client.engine.calibrating
+        assert sum(costs.measured(p) for p in range(1, costs.max_positions + 1)) > max(at_start, 2)
+    async with agentspec.Client() as quiet:
+        assert (await quiet.generate([{"role": "user", "content": "Say hi."}], max_tokens=4, speculative=False)).text == reply.text
+
+
 def test_a_reused_calibration_is_an_earlier_engines_and_other_shapes_are_measured(loaded):
     """``calibrate(reuse=True)`` (a client's start-up) takes the measurements of an earlier engine of
     the same model, pass and shapes without running a pass; an engine of other shapes measures."""

@@ -137,7 +137,9 @@ class LocalBackend:
             )
             self.sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
             engine.drafter_factory = self.sources.drafter
-            engine.calibrate(reuse=True)  # a second client on this model starts from the first's measurements
+            # a second client on this model starts from the first's measurements; shapes beyond the
+            # first two are measured while the client is idle (start-up does not wait for them)
+            engine.calibrate(reuse=True, idle=True)
             runtime.engine = engine
             return loaded
 

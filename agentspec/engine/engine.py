@@ -118,6 +118,16 @@ class _Proposal(NamedTuple):
     draft_ms: float  # this sequence's own drafting time
 
 
+@dataclasses.dataclass
+class _IdleCalibration:
+    """What ``Engine.calibrate(idle=True)`` left to measure while the engine is idle."""
+
+    block: KVBlock  # the calibration's past (its context of tokens)
+    runs: list[tuple[int, int]]  # (pass shape, run of it), most useful shape first
+    key: tuple  # of _calibrations
+    spent: float = 0.0  # seconds measured so far
+
+
 class Engine:
     """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step_many``."""
 
@@ -162,11 +172,12 @@ class Engine:
         # that pass as a real fault (out of memory, say) would.
         self.before_pass: Callable[[list[Sequence]], None] | None = None
         self._state: dict[Sequence, SequenceState] = {}  # per-sequence helpers, so `Sequence` stays plain data
+        self._idle_calibration: _IdleCalibration | None = None  # shapes calibrate(idle=True) left
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False) -> None:
+    def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False, idle: bool = False) -> None:
         """Check the packed attention against the model's own (where the pass asks for it:
         ``SelectedWeights.check_at_start``), then measure the pass shapes, most useful first, for
         ``CALIBRATION_BUDGET_S`` beyond the first two (which also warms the kernels up). The fastest
@@ -175,6 +186,9 @@ class Engine:
         reuse: where an engine of this process already calibrated the same model, pass and shapes,
           start from its measurements instead (a second client on a loaded model starts without
           measuring again); the costs are tracked live from the first pass either way.
+        idle: measure only the first two shapes (and the cost of a further sequence) now, and the rest
+          within the budget one at a time while nothing else runs (``calibrate_idle``: the client's
+          worker thread calls it when no request is active or queued), so that start-up does not wait.
         """
         key = (self.weights.name, tuple(self._calibrate_shapes), context, repeats)
         if reuse:
@@ -194,10 +208,12 @@ class Engine:
         block = KVBlock(self.layout)
         started = time.perf_counter()
         self.forward([PackedRow(block, list(range(token, token + context)), 1)])
-        for index, positions in enumerate(self._calibration_order()):
-            if index >= 2 and time.perf_counter() - started > self.CALIBRATION_BUDGET_S:
+        order = self._calibration_order()
+        for index, positions in enumerate(order):
+            if index >= 2 and (idle or time.perf_counter() - started > self.CALIBRATION_BUDGET_S):
                 break  # the rest are measured as passes of those shapes run (CostModel.record)
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
+        self._idle_calibration = _IdleCalibration(block, [(p, run) for p in order[2:] for run in range(repeats)], key) if idle else None
         # What each further sequence adds to a pass: one token each of ``segments`` sequences against
         # one sequence of ``segments`` tokens (same positions, same linear layers), both over the same
         # short past (against the shapes' past of ``context`` the attention it saves hid the cost).
@@ -207,10 +223,46 @@ class Engine:
         one = self._fastest([PackedRow(blocks[0], [token] * segments, segments)], repeats)
         ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
         self.costs.segment_ms = max(0.0, (ms - one) / (segments - 1))
+        self._remember_calibration(key)
+
+    def _remember_calibration(self, key: tuple) -> None:
         measured = CostModel(self.costs.max_positions)
         measured.copy_from(self.costs)
         with _calibrations_lock:
             _calibrations.setdefault(self.model, {})[key] = measured
+
+    @property
+    def calibrating(self) -> bool:
+        """Whether ``calibrate(idle=True)`` left shapes to measure (``calibrate_idle``)."""
+        return self._idle_calibration is not None
+
+    @torch.inference_mode()
+    def calibrate_idle(self) -> None:
+        """One run of the next shape ``calibrate(idle=True)`` left, while nothing else runs (a request
+        arriving waits for one pass at most): shapes not measured yet (passes measure their own as
+        they run) whose cost, as estimated so far, is under ``LONG_PASS_MS``, each run as often as
+        calibration runs it, until ``CALIBRATION_BUDGET_S`` of such measuring is spent."""
+        idle = self._idle_calibration
+        if idle is None:
+            return
+        runs = idle.runs
+        while runs and runs[0][1] == 0 and (self.costs.measured(runs[0][0]) or self.costs.cost(runs[0][0]) >= self.LONG_PASS_MS):
+            skipped = runs.pop(0)[0]
+            while runs and runs[0][0] == skipped:
+                runs.pop(0)
+        if not runs or idle.spent > self.CALIBRATION_BUDGET_S:
+            self._idle_calibration = None  # done: its block of keys and values goes with it
+            return
+        (positions, _), started = runs.pop(0), time.perf_counter()
+        try:
+            ms = fastest_pass_ms(self.forward, [PackedRow(idle.block, [self.CALIBRATION_TOKEN] * positions, positions)], 1)
+        except Exception:  # out of memory, say: the shapes left are measured as they run instead
+            log.exception("calibration while idle failed; the pass shapes left are measured as they run")
+            self._idle_calibration = None
+            return
+        self.costs.record(positions, ms)
+        idle.spent += time.perf_counter() - started
+        self._remember_calibration(idle.key)
 
     def _calibration_order(self) -> list[int]:
         """The shapes to measure, most useful first: a plain step and the longest verification, the
@@ -253,8 +305,9 @@ class Engine:
             self.prefix_cache.add(seq.tokens[: state.block.length], state.block)
 
     def close(self) -> None:
-        """Drop every sequence and the prefix cache (their keys/values are freed now)."""
+        """Drop every sequence, the prefix cache and what calibration left (their keys/values are freed now)."""
         self._state.clear()
+        self._idle_calibration = None
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 

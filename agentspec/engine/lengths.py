@@ -69,6 +69,10 @@ class CostModel:
             self._ms[positions] = fastest
             self._effective.clear()
 
+    def measured(self, positions: int) -> bool:
+        """Whether a pass of this shape has been measured (at calibration or as it ran)."""
+        return positions <= self.max_positions and self._ms[positions] is not None
+
     def cost(self, positions: int) -> float:
         """Measured ms for this shape, or a linear extrapolation from the nearest measured one."""
         measured = [(p, ms) for p, ms in enumerate(self._ms) if ms is not None]
