@@ -20,6 +20,7 @@ A template that shows no family syntax keeps agentspec's own tool section and ba
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -219,6 +220,9 @@ class CallListGrammar:
             raise ValueError(f"token {token} was committed where the tool-call grammar rejects it")
         return following
 
+    def undecided(self, state: int) -> bool:
+        return False
+
     def is_complete(self, state: int) -> bool:
         """After the closing; or after a call where no other may follow and nothing closes the list."""
         key = self._keys[state]
@@ -226,18 +230,20 @@ class CallListGrammar:
 
 
 class CallTranscriber:
-    """A family's verified call text in, agentspec's canonical call text out: one compact
+    """Verified call text in, agentspec's canonical call text out: one compact
     ``{"name":"NAME","arguments":{...}}`` per line, what ``ToolCallParser`` reads.
 
-    The grammar wrote the family's fixed text verbatim and the arguments in compact JSON, so the
-    rewrite only finds each call's name and the extent of its arguments; the family's tags, brackets
-    and separators are dropped. Text is passed on as soon as it is known, so calls still stream, and
-    a call ends (its newline) where its arguments do: what follows is fixed text.
+    The text is a family's syntax, or any opening ``tool_choice="auto"`` accepts (a fence, a list, a
+    marker, spaced or compact keys; ``triggers``): the grammar wrote the arguments in compact JSON,
+    so the rewrite only finds each call's name (after ``{"name":``) and the extent of its arguments
+    (the object after the next key); tags, fences, brackets and separators are dropped. Text is
+    passed on as soon as it is known, so calls still stream, and a call ends (its newline) where its
+    arguments do: what follows is fixed text.
     """
 
-    def __init__(self, fmt: ToolFormat) -> None:
-        before, self._middle, _ = fmt.parts
-        self._start = before[before.rindex("{") :]  # '{"name": "': where each call's JSON begins
+    START = re.compile(r'\{\s*"name"\s*:\s*"')
+
+    def __init__(self, fmt: ToolFormat | None = None) -> None:
         self._pending = ""
         self._state = "seek"  # seek → name → middle → arguments → seek
         self._depth, self._in_string, self._escaped = 0, False, False
@@ -247,24 +253,27 @@ class CallTranscriber:
         pending = self._pending + text
         while pending:
             if self._state == "seek":
-                at = pending.find(self._start)
-                if at < 0:
-                    pending = pending[-(len(self._start) - 1) :]  # a start may be split across pieces
+                found = self.START.search(pending)
+                if found is None:
+                    brace = pending.rfind("{")
+                    pending = pending[brace:] if brace >= 0 else ""  # a start may be split across pieces
                     break
                 out.append(NAME_PREFIX)
-                pending, self._state = pending[at + len(self._start) :], "name"
+                pending, self._state = pending[found.end() :], "name"
             elif self._state == "name":  # tool names never hold a quote
                 end = pending.find('"')
                 out.append(pending if end < 0 else pending[:end])
                 if end < 0:
                     pending = ""
                     break
-                pending, self._state = pending[end:], "middle"
-            elif self._state == "middle":
-                if len(pending) < len(self._middle):
+                pending, self._state = pending[end + 1 :], "middle"
+            elif self._state == "middle":  # the arguments key, whatever its name and spacing
+                start = pending.find("{")
+                if start < 0:
+                    pending = ""
                     break
                 out.append(ARGUMENTS_MARK)
-                pending, self._state = pending[len(self._middle) :], "arguments"
+                pending, self._state = pending[start:], "arguments"
             else:
                 end = self._scan(pending)
                 if end is None:
