@@ -220,6 +220,21 @@ def test_an_opening_decides_a_call_whatever_the_tokenization(vocab, family, open
     assert len(outputs) == 1  # the same call however the opening was tokenized
 
 
+@pytest.mark.parametrize("family", [None, "llama3"])
+def test_a_token_straddling_the_names_end_chooses_the_spacing(vocab, family):
+    """'"name": "multiply' then the one token '","': the call goes on compact from its leftover ',"'."""
+    _, tokenizer, _, compiler = vocab
+    (straddling,) = compiler.encode(b'","')
+    grammar = AutoCallGrammar(compiler, SPECS, FAMILY.get(family), parallel=False)
+    state, tokens = grammar.initial_state, [*compiler.encode(b'{"name": "multiply'), straddling]
+    for token in tokens:
+        state = grammar.next_state(state, token)
+    assert grammar.is_call(state)
+    text = b"".join(compiler.token_bytes[t] for t in finish_call(grammar, compiler, state, tokens)).decode()
+    key = "parameters" if family else "arguments"
+    assert text.startswith(f'{{"name": "multiply","{key}":{{"a":') and calls_of(text)[0].name == "multiply"
+
+
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("family", [None, "hermes", "llama3", "mistral"])
 def test_text_openings_and_prose_stay_text(vocab, family, text):

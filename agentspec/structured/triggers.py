@@ -14,7 +14,8 @@ tokenization: **nothing is masked while the reply is undecided**, so a text answ
 own tokens (``auto`` equals ``none`` on it). Once the bytes name a tool, the rest of the call is
 forced: the family's arguments key, the tool's arguments (its own compiled grammar, shared by every
 opening and cached by the compiler), the closing brace and the opening's closing (fence, tag, list
-bracket). A token that straddles the end of the name is continued from its leftover bytes. A reply
+bracket). A token that straddles the end of the name is continued from its leftover bytes (which may
+choose the other spacing). A reply
 that matches no opening, or names no tool, is text from the first byte that rules a call out.
 
 Where parallel calls are allowed (the family has a separator), a complete call is followed by the
@@ -176,14 +177,20 @@ class AutoCallGrammar:
         if found.partial:
             return ("undecided", written)
         name = found.group("name").decode()
-        style = Style(
-            tool=next(i for i, t in enumerate(self.tools) if t.name == name),
-            opening=(found.group("open") or b"").decode(),
-            listed=found.group("list") is not None,
-            spaced=b" " in found.group("colon"),
-        )
-        key = self._feed(self._fixed("middle", style, 0), written[found.end() :])  # a token may straddle the name's end
-        return ("text",) if key is None else key
+        spaced = b" " in found.group("colon")
+        for spacing in (spaced, not spaced):
+            # spaced as the name was; where a token straddling the name's end already wrote the
+            # other spacing ('"name": "f","'), that one: the forced rest goes on from its bytes
+            style = Style(
+                tool=next(i for i, t in enumerate(self.tools) if t.name == name),
+                opening=(found.group("open") or b"").decode(),
+                listed=found.group("list") is not None,
+                spaced=spacing,
+            )
+            following = self._feed(self._fixed("middle", style, 0), written[found.end() :])
+            if following is not None:
+                return following
+        return ("text",)
 
     def _feed(self, key: tuple[Any, ...], data: bytes) -> tuple[Any, ...] | None:
         """``key`` advanced by the bytes ``data`` (a token's leftover past the trigger); None if the
