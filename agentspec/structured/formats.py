@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from .grammar import Grammar, schema_regex
+from .grammar import Grammar, States, schema_regex
 from .tools import ARGUMENTS_MARK, NAME_PREFIX, ToolSpec
 
 __all__ = ["ToolFormat", "FORMATS", "detect_format", "call_regex", "call_grammar", "template_tools", "template_id", "CallListGrammar", "CallTranscriber"]
@@ -128,7 +127,7 @@ class CallListGrammar:
     included) forced one token at a time; ``item`` is the grammar of one call. Where a call is
     complete the model chooses between the separator's first token and the closing's (an end token
     where the closing is empty). States are ints interned from (part, position) and ("item", item
-    state), all >= 0 as ``AutoCallGrammar`` expects of a call grammar.
+    state) (``States``).
     """
 
     def __init__(self, item: Grammar, *, opening: Sequence[int], separator: Sequence[int] | None, closing: Sequence[int]) -> None:
@@ -136,9 +135,7 @@ class CallListGrammar:
         self.compiler = compiler = item.compiler
         self.parts = {"opening": tuple(opening), "separator": tuple(separator or ()), "closing": tuple(closing)}
         self.parallel = bool(separator)
-        self._keys: list[tuple[Any, ...]] = []
-        self._ids: dict[tuple[Any, ...], int] = {}
-        self._lock = threading.Lock()
+        self._states = States()
         self._one_hot: dict[int, torch.Tensor] = {}  # a fixed part's token → its mask
         self._stop_mask = self._tokens_mask(compiler.stop_token_ids)
         ends = [self.parts["closing"][0]] if closing else list(compiler.stop_token_ids)
@@ -150,25 +147,18 @@ class CallListGrammar:
         mask[list(tokens)] = True
         return mask.to(self.compiler.device)
 
-    def _id(self, key: tuple[Any, ...]) -> int:
-        with self._lock:
-            if key not in self._ids:
-                self._ids[key] = len(self._keys)
-                self._keys.append(key)
-            return self._ids[key]
-
     def _enter(self, part: str, position: int = 0) -> int:
         """The state at ``position`` of a fixed part; past its end, the state after it."""
         if position < len(self.parts[part]):
-            return self._id((part, position))
-        return self._id(("done",)) if part == "closing" else self._id(("item", self.item.initial_state))
+            return self._states.id((part, position))
+        return self._states.id(("done",)) if part == "closing" else self._states.id(("item", self.item.initial_state))
 
     def _ended(self, key: tuple[Any, ...]) -> bool:
         """Whether ``key`` is an item state where the call is complete."""
         return key[0] == "item" and self.item.is_complete(key[1])
 
     def forced(self, state: int) -> list[int]:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             rest = list(self.parts[key[0]][key[1] :])
             return rest if key[0] == "closing" else rest + self.item.forced(self.item.initial_state)
@@ -179,13 +169,13 @@ class CallListGrammar:
         return []
 
     def held(self, state: int) -> int | None:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in ("opening", "separator"):
             return self.item.held(self.item.initial_state)
         return self.item.held(key[1]) if key[0] == "item" and not self._ended(key) else None
 
     def mask(self, state: int) -> torch.Tensor:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             token = self.parts[key[0]][key[1]]
             if token not in self._one_hot:
@@ -200,14 +190,14 @@ class CallListGrammar:
 
     def advance(self, state: int, token: int) -> int | None:
         """The state after ``token``, or None if the grammar rejects it here."""
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             return self._enter(key[0], key[1] + 1) if token == self.parts[key[0]][key[1]] else None
         if key[0] == "done":
             return None
         if not self._ended(key):
             following = self.item.advance(key[1], token)
-            return None if following is None else self._id(("item", following))
+            return None if following is None else self._states.id(("item", following))
         if self.parallel and token == self.parts["separator"][0]:
             return self._enter("separator", 1)
         if self.parts["closing"] and token == self.parts["closing"][0]:
@@ -225,7 +215,7 @@ class CallListGrammar:
 
     def is_complete(self, state: int) -> bool:
         """After the closing; or after a call where no other may follow and nothing closes the list."""
-        key = self._keys[state]
+        key = self._states.key(state)
         return key[0] == "done" or (self._ended(key) and not self.parallel and not self.parts["closing"])
 
 

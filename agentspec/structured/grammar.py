@@ -34,6 +34,7 @@ __all__ = [
     "Grammar",
     "GrammarCompiler",
     "RepeatedGrammar",
+    "States",
     "check_enforceable",
     "schema_from_response_format",
     "schema_regex",
@@ -273,6 +274,26 @@ class Grammar:
         if not self.is_complete(current):  # look-back: the last forced token may merge with the free text after it
             return tokens[:-1], tokens[-1]
         return tokens, None
+
+
+class States:
+    """A composite grammar's states: its keys (tuples) interned as the ints a request keeps.
+    Thread-safe; grows with the states a request reaches."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[Any, ...]] = []
+        self._ids: dict[tuple[Any, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def id(self, key: tuple[Any, ...]) -> int:
+        with self._lock:
+            if key not in self._ids:
+                self._ids[key] = len(self._keys)
+                self._keys.append(key)
+            return self._ids[key]
+
+    def key(self, state: int) -> tuple[Any, ...]:
+        return self._keys[state]
 
 
 class RepeatedGrammar:

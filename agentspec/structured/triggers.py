@@ -36,7 +36,7 @@ import regex
 import torch
 
 from .formats import ToolFormat
-from .grammar import Grammar, schema_regex
+from .grammar import States, schema_regex
 from .tools import ToolSpec
 
 __all__ = ["AutoCallGrammar", "MAX_UNDECIDED_BYTES", "FENCES", "openings"]
@@ -92,8 +92,7 @@ class AutoCallGrammar:
             WS + rb"(?:(?P<open>" + alternatives + rb")" + WS + rb")?(?P<list>\[" + WS + rb")?\{" + WS
             + rb'"name"(?P<colon>' + WS + rb":" + WS + rb')"(?P<name>' + names + rb')"'
         )  # fmt: skip
-        self._keys: list[tuple[Any, ...]] = []
-        self._ids: dict[tuple[Any, ...], int] = {}
+        self._states = States()
         self._next: dict[tuple[int, int], int | None] = {}
         self._masks: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -107,14 +106,19 @@ class AutoCallGrammar:
     # -- states -------------------------------------------------------------------------------------
 
     def _id(self, key: tuple[Any, ...]) -> int:
-        with self._lock:
-            if key not in self._ids:
-                self._ids[key] = len(self._keys)
-                self._keys.append(key)
-            return self._ids[key]
+        return self._states.id(key)
 
     def _key(self, state: int) -> tuple[Any, ...]:
-        return ("text",) if state == self.TEXT else self._keys[state]
+        return ("text",) if state == self.TEXT else self._states.key(state)
+
+    def _inner(self, key: tuple[Any, ...]) -> tuple[Any, int] | None:
+        """The grammar that rules at ``key`` and its state there: a tool's arguments or the tools'
+        names (None at fixed text, choices and outside a call)."""
+        if key[0] == "arguments":
+            return self.arguments[key[1].tool], key[2]
+        if key[0] == "name":
+            return self.names, key[2]
+        return None
 
     def undecided(self, state: int) -> bool:
         """Whether the reply may still become a call or text (its text is held back meanwhile)."""
@@ -223,6 +227,8 @@ class AutoCallGrammar:
 
     def advance(self, state: int, token: int) -> int | None:
         """The state after ``token``, or None where the call's grammar rejects it."""
+        if state == self.TEXT:
+            return self.TEXT
         with self._lock:
             if (state, token) in self._next:
                 return self._next[(state, token)]
@@ -234,8 +240,6 @@ class AutoCallGrammar:
     def _advance(self, state: int, token: int) -> int | None:
         key = self._key(state)
         kind = key[0]
-        if kind == "text":
-            return self.TEXT
         if kind == "undecided":
             piece = self.markers.get(token, self.compiler.token_bytes[token])
             following = self._decide(key[1] + piece)
@@ -278,12 +282,11 @@ class AutoCallGrammar:
             return cached
         key = self._key(state)
         kind = key[0]
-        if kind in ("undecided", "text"):
+        inner = self._inner(key)
+        if inner is not None:
+            mask = inner[0].mask(inner[1])
+        elif kind in ("undecided", "text"):
             mask = self._free
-        elif kind == "arguments":
-            mask = self.arguments[key[1].tool].mask(key[2])
-        elif kind == "name":
-            mask = self.names.mask(key[2])
         elif kind == "done":
             mask = self._stops
         else:
@@ -298,33 +301,17 @@ class AutoCallGrammar:
         """Canonical tokens of the text forced from ``state``: fixed text, then what the arguments' or
         names' grammar forces after it."""
         key = self._key(state)
-        kind = key[0]
-        if kind == "arguments":
-            return self.arguments[key[1].tool].forced(key[2])
-        if kind == "name":
-            return self.names.forced(key[2])
-        if kind != "fixed":
+        inner = self._inner(key)
+        if inner is not None:
+            return inner[0].forced(inner[1])
+        if key[0] != "fixed":
             return []
         _, part, style, offset = key
         tokens = self.compiler.encode(self._texts(part, style)[offset:])
-        after = self._after(part, style)
-        if after[0] == "arguments":
-            tokens += self.arguments[style.tool].forced(after[2])
-        elif after[0] == "name":
-            tokens += self.names.forced(after[2])
-        return tokens
+        after = self._inner(self._after(part, style))
+        return tokens + after[0].forced(after[1]) if after is not None else tokens
 
     def held(self, state: int) -> int | None:
         key = self._key(state)
-        kind = key[0]
-        if kind == "arguments":
-            return self.arguments[key[1].tool].held(key[2])
-        if kind == "name":
-            return self.names.held(key[2])
-        if kind == "fixed":
-            after = self._after(key[1], key[2])
-            if after[0] == "arguments":
-                return self.arguments[key[2].tool].held(after[2])
-            if after[0] == "name":
-                return self.names.held(after[2])
-        return None
+        inner = self._inner(key) if key[0] != "fixed" else self._inner(self._after(key[1], key[2]))
+        return inner[0].held(inner[1]) if inner is not None else None
