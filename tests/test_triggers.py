@@ -309,8 +309,8 @@ def run_scripted(engine, model, family, opening, params, tools=SPECS[:1]) -> tup
     fmt = FAMILY.get(family)
     grammar = AutoCallGrammar(model.grammars, tools, fmt, parallel=False)
     prefix = model.grammars.encode(opening.encode())
-    seq, _ = decode(engine, model.chat.encode(QUESTION, tools), params, grammar=Scripted(prefix, grammar, model.vocab_size))
-    return seq, grammar
+    seq, pieces = decode(engine, model.chat.encode(QUESTION, tools), params, grammar=Scripted(prefix, grammar, model.vocab_size))
+    return seq, pieces
 
 
 @pytest.mark.parametrize("family, opening", SCRIPTS)
@@ -318,9 +318,11 @@ def test_a_scripted_opening_goes_on_as_a_valid_call_speculative_equals_plain(eng
     """The real default model goes on from the opening; the trigger forces the rest of the call."""
     outputs = []
     for spec in (SpecConfig(enabled=False), SpecConfig(max_draft_tokens=8, adaptive=False)):
-        seq, grammar = run_scripted(engine, loaded, family, opening, GenerationParams(max_tokens=40, spec=spec))
-        outputs.append(seq)
-    plain, pinned = outputs
+        seq, pieces = run_scripted(engine, loaded, family, opening, GenerationParams(max_tokens=40, spec=spec))
+        outputs.append((seq, pieces))
+    (plain, pieces), (pinned, _) = outputs
+    first = next(piece for piece in pieces if piece)  # the opening was held back until it named the tool
+    assert first.startswith(opening[: opening.index("multiply")]) and "multiply" in first
     assert pinned.output_ids == plain.output_ids
     assert plain.finish_reason == "stop"
     text = b"".join(loaded.token_bytes[t] for t in plain.output_ids).decode()
@@ -375,13 +377,20 @@ def test_on_qwens_vocabulary_seeded_and_greedy_speculative_equals_plain(qwen, op
     assert calls  # the random model's calls end within max_tokens: the forced closing is exercised
 
 
-def test_prose_with_inline_json_keeps_the_models_tokens(engine, loaded):
-    """A reply that opens with prose is text: the trigger masks nothing, so the model writes exactly
-    what it writes with no tools at all."""
-    prefix = loaded.grammars.encode(b'Here: {"name": "multiply"')
+@pytest.mark.parametrize("opening", ['Here: {"name": "multiply"', '```json\n{"names"', ' {"name": "multiplied"'])
+def test_text_keeps_the_models_tokens_and_loses_nothing_held_back(engine, loaded, opening):
+    """A reply that opens with prose, or like a call but names no tool, is text: the trigger masks
+    nothing, so the model writes exactly what it writes with no tools at all; what was held back
+    while undecided is emitted once the bytes rule a call out (plain decoding: one token a step)."""
+    prefix = loaded.grammars.encode(opening.encode())
     prompt = loaded.chat.encode(QUESTION, SPECS[:1])
-    params = GenerationParams(max_tokens=16, spec=SpecConfig(max_draft_tokens=8, adaptive=False))
-    grammar = AutoCallGrammar(loaded.grammars, SPECS[:1], None, parallel=True)
-    auto, _ = decode(engine, prompt, params, grammar=Scripted(prefix, grammar, loaded.vocab_size))
-    free, _ = decode(engine, prompt, params, grammar=Scripted(prefix, None, loaded.vocab_size))
-    assert auto.output_ids == free.output_ids and len(auto.output_ids) > len(prefix)
+    for spec in (SpecConfig(enabled=False), SpecConfig(max_draft_tokens=8, adaptive=False)):
+        params = GenerationParams(max_tokens=16, spec=spec)
+        grammar = AutoCallGrammar(loaded.grammars, SPECS[:1], None, parallel=True)
+        auto, pieces = decode(engine, prompt, params, grammar=Scripted(prefix, grammar, loaded.vocab_size))
+        free, free_pieces = decode(engine, prompt, params, grammar=Scripted(prefix, None, loaded.vocab_size))
+        assert auto.output_ids == free.output_ids and len(auto.output_ids) > len(prefix)
+        assert "".join(pieces) == "".join(free_pieces) == loaded.tokenizer.decode(free.output_ids)
+        if not spec.enabled and opening[0] != "H":  # undecided for a few tokens: nothing emitted, then all of it at once
+            held = next(i for i, piece in enumerate(pieces) if piece)
+            assert held >= 2 and pieces[held] == "".join(free_pieces[: held + 1])

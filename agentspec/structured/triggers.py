@@ -15,8 +15,8 @@ own tokens (``auto`` equals ``none`` on it). Once the bytes name a tool, the res
 forced: the family's arguments key, the tool's arguments (its own compiled grammar, shared by every
 opening and cached by the compiler), the closing brace and the opening's closing (fence, tag, list
 bracket). A token that straddles the end of the name is continued from its leftover bytes (which may
-choose the other spacing). A reply
-that matches no opening, or names no tool, is text from the first byte that rules a call out.
+choose the other spacing). A reply that matches no opening, or names no tool, is text from the first
+byte that rules a call out; undecided text is held back by the engine until then (``undecided``).
 
 Where parallel calls are allowed (the family has a separator), a complete call is followed by the
 model's choice: an end token, or another call in the same opening (a list goes on with ``", "``),
