@@ -177,6 +177,8 @@ OPENINGS = [
     ("hermes", '<tool_call>\n{"name": "multiply", "', "\n</tool_call>"),
     ("hermes", '```json\n{"name": "multiply_all", "arg', "\n```"),
     ("hermes", '\n{"name": "multiply"', ""),
+    ("hermes", '<function=multiply_all>', "</function>"),  # Hermes 2 Pro's tag (llama.cpp takes it too)
+    ("hermes", ' <function name="multiply">', "</function>"),
     ("llama3", '{"name": "multiply", "', ""),
     ("llama3", PYTHON_TAG + '{"name": "multiply_all"', ""),
     ("mistral", '[TOOL_CALLS] [{"name": "multiply", "', "]"),
@@ -189,6 +191,8 @@ TEXTS = [
     'The call is {"name": "multiply", "arguments": {"a": 6}}',  # prose with inline JSON
     '```json\n{"result": 42}',
     '{"name": "multiply_alls"',
+    "<function=divide>",
+    "<functions>",
 ]
 
 
@@ -211,13 +215,37 @@ def test_an_opening_decides_a_call_whatever_the_tokenization(vocab, family, open
         tokens = finish_call(grammar, compiler, state, written)  # on from the bytes written (a token may straddle the name's end)
         text = b"".join(compiler.token_bytes[t] if t not in grammar.markers else grammar.markers[t] for t in tokens).decode()
         (call,) = calls_of(text)
-        assert text.startswith(opening[: opening.index('"', opening.index(call.name)) + 1]) and text.endswith("}" + closing), text
-        assert call.name in opening and f'"{call.name}"' in text
-        key = "parameters" if family == "llama3" else "arguments"
-        assert f'"{key}":' in text  # the family's key, whichever the opening
+        assert call.name in opening and text.endswith("}" + closing), text
+        if "<function" in opening:  # the arguments alone inside the tag
+            assert text.startswith(opening) and text[len(opening)] == "{"
+        else:
+            assert text.startswith(opening[: opening.index('"', opening.index(call.name)) + 1]) and f'"{call.name}"' in text
+            key = "parameters" if family == "llama3" else "arguments"
+            assert f'"{key}":' in text  # the family's key, whichever the opening
         jsonschema.validate(call.arguments, PARAMETERS[call.name])
         outputs.add(text)
     assert len(outputs) == 1  # the same call however the opening was tokenized
+
+
+def test_every_opening_transcribes_to_the_same_calls_under_any_chunking():
+    """The call text of each opening (as the grammar makes the model write it) → the same events,
+    however the verified text is cut into steps."""
+    texts = [
+        '```json\n{"name": "multiply", "arguments": {"a":6,"b":7}}\n```\n```json\n{"name": "multiply_all", "arguments": {"values":[1]}}\n```',
+        '<tool_call>\n{"name":"multiply","arguments":{"a":6,"b":7}}\n</tool_call>\n<tool_call>\n{"name":"multiply_all","arguments":{"values":[1]}}\n</tool_call>',
+        '[TOOL_CALLS] [{"name": "multiply", "arguments": {"a":6,"b":7}}, {"name": "multiply_all", "arguments": {"values":[1]}}]',
+        '<function=multiply>{"a":6,"b":7}</function><function name="multiply_all">{"values":[1]}</function>',
+        '{"name": "multiply", "parameters": {"a":6,"b":7}}\n{"name": "multiply_all", "parameters": {"values":[1]}}',
+    ]
+    rng = random.Random(0)
+    for text in texts:
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+            transcriber, parser, events = CallTranscriber(), ToolCallParser(), []
+            for a, b in zip([0, *cuts], [*cuts, len(text)]):
+                events += parser.feed(transcriber.feed(text[a:b]))
+            calls = [e for e in events + parser.finish() if isinstance(e, agentspec.ToolCall)]
+            assert [(c.index, c.name, c.arguments) for c in calls] == [(0, "multiply", {"a": 6, "b": 7}), (1, "multiply_all", {"values": [1]})], text
 
 
 @pytest.mark.parametrize("family", [None, "llama3"])
@@ -301,6 +329,7 @@ SCRIPTS = [
     ("hermes", '```\n{"name":"multiply'),  # the model closes the name: undecided until then
     ("llama3", '{"name": "multiply"'),
     ("mistral", '[{"name": "multiply"'),
+    ("hermes", "<function=multiply>"),
 ]
 QUESTION = [{"role": "user", "content": "What is 6 times 7? Use the multiply tool."}]
 

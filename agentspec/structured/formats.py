@@ -224,14 +224,14 @@ class CallTranscriber:
     ``{"name":"NAME","arguments":{...}}`` per line, what ``ToolCallParser`` reads.
 
     The text is a family's syntax, or any opening ``tool_choice="auto"`` accepts (a fence, a list, a
-    marker, spaced or compact keys; ``triggers``): the grammar wrote the arguments in compact JSON,
-    so the rewrite only finds each call's name (after ``{"name":``) and the extent of its arguments
-    (the object after the next key); tags, fences, brackets and separators are dropped. Text is
-    passed on as soon as it is known, so calls still stream, and a call ends (its newline) where its
-    arguments do: what follows is fixed text.
+    marker, spaced or compact keys, a ``<function=NAME>`` tag; ``triggers``): the grammar wrote the
+    arguments in compact JSON, so the rewrite only finds each call's name (after ``{"name":`` or in
+    the tag) and the extent of its arguments (the next object); tags, fences, brackets and
+    separators are dropped. Text is passed on as soon as it is known, so calls still stream, and a
+    call ends (its newline) where its arguments do: what follows is fixed text.
     """
 
-    START = re.compile(r'\{\s*"name"\s*:\s*"')
+    START = re.compile(r'\{\s*"name"\s*:\s*"|<function=|<function name="')  # a JSON call, or Hermes 2 Pro's tag
 
     def __init__(self, fmt: ToolFormat | None = None) -> None:
         self._pending = ""
@@ -245,13 +245,13 @@ class CallTranscriber:
             if self._state == "seek":
                 found = self.START.search(pending)
                 if found is None:
-                    brace = pending.rfind("{")
-                    pending = pending[brace:] if brace >= 0 else ""  # a start may be split across pieces
+                    start = max(pending.rfind("{"), pending.rfind("<"))
+                    pending = pending[start:] if start >= 0 else ""  # a start may be split across pieces
                     break
                 out.append(NAME_PREFIX)
                 pending, self._state = pending[found.end() :], "name"
-            elif self._state == "name":  # tool names never hold a quote
-                end = pending.find('"')
+            elif self._state == "name":  # tool names never hold a quote or a '>'
+                end = min((at for at in (pending.find('"'), pending.find(">")) if at >= 0), default=-1)
                 out.append(pending if end < 0 else pending[:end])
                 if end < 0:
                     pending = ""

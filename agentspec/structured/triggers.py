@@ -47,6 +47,9 @@ WS = rb"[ \t\r\n]*"
 # The family's own markers, by ``ToolFormat.family``; Llama 3.x's is a special token.
 MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",)}
 CLOSINGS = {"```json": b"\n```", "```": b"\n```", "<tool_call>": b"\n</tool_call>"}
+# Hermes 2 Pro's other spelling (llama.cpp's handler takes it): the name in a tag, the arguments alone
+# inside, '<function=NAME>{...}</function>' or '<function name="NAME">{...}</function>'.
+FUNCTION_TAGS = {"hermes": (b"<function=", b'<function name="')}
 
 
 def openings(fmt: ToolFormat | None) -> tuple[str, ...]:
@@ -59,7 +62,7 @@ class Style:
     """How the reply writes its calls, read from its first call's opening bytes."""
 
     tool: int  # the call being written (an index into the tools)
-    opening: str  # "" (bare), a fence or a marker
+    opening: str  # "" (bare), a fence, a marker, or a function tag (no JSON object around the arguments)
     listed: bool  # the calls are items of a JSON list ("[{...}, {...}]")
     spaced: bool  # '"name": "' rather than '"name":"': the fixed text after the name is spaced alike
 
@@ -88,9 +91,11 @@ class AutoCallGrammar:
                 self.markers[token] = marker.encode()
         alternatives = b"|".join(regex.escape(o.encode()) for o in openings(fmt))
         names = b"|".join(regex.escape(t.name.encode()) for t in sorted(self.tools, key=lambda t: -len(t.name)))
+        tags = FUNCTION_TAGS.get(fmt.family, ()) if fmt is not None else ()
+        function = rb"|(?P<tag>" + b"|".join(map(regex.escape, tags)) + rb")(?P<tagged>" + names + rb')"?>' if tags else b""
         self.trigger = regex.compile(
-            WS + rb"(?:(?P<open>" + alternatives + rb")" + WS + rb")?(?P<list>\[" + WS + rb")?\{" + WS
-            + rb'"name"(?P<colon>' + WS + rb":" + WS + rb')"(?P<name>' + names + rb')"'
+            WS + rb"(?:(?:(?P<open>" + alternatives + rb")" + WS + rb")?(?P<list>\[" + WS + rb")?\{" + WS
+            + rb'"name"(?P<colon>' + WS + rb":" + WS + rb')"(?P<name>' + names + rb')"' + function + rb")"
         )  # fmt: skip
         self._states = States()
         self._next: dict[tuple[int, int], int | None] = {}
@@ -140,9 +145,12 @@ class AutoCallGrammar:
         colon = b": " if style.spaced else b":"
         comma = b", " if style.spaced else b","
         closing = CLOSINGS.get(style.opening, b"")
+        tagged = style.opening.startswith("<function")
         if part == "middle":  # after the name's closing quote, up to the arguments
-            return comma + self.key + colon
+            return b"" if tagged else comma + self.key + colon
         if part == "end":  # after the arguments
+            if tagged:
+                return b"</function>"
             return b"}" if style.listed and self.parallel else b"}" + (b"]" if style.listed else b"") + closing
         if part == "close":  # a list's end
             return b"]" + closing
@@ -155,7 +163,7 @@ class AutoCallGrammar:
         if part == "middle":
             return self._enter_arguments(style, self.arguments[style.tool].initial_state)
         if part == "end":
-            return ("choice", style) if self.parallel else ("done",)
+            return ("choice", style) if self.parallel and not style.opening.startswith("<function") else ("done",)
         if part == "close":
             return ("done",)
         return ("name", style, self.names.initial_state, b"")
@@ -180,15 +188,16 @@ class AutoCallGrammar:
             return ("text",)
         if found.partial:
             return ("undecided", written)
-        name = found.group("name").decode()
-        spaced = b" " in found.group("colon")
+        groups = found.groupdict()  # "tag"/"tagged" only where the family has function tags
+        name = (groups["name"] or groups.get("tagged")).decode()
+        spaced = b" " in (groups["colon"] or b"")
         for spacing in (spaced, not spaced):
             # spaced as the name was; where a token straddling the name's end already wrote the
             # other spacing ('"name": "f","'), that one: the forced rest goes on from its bytes
             style = Style(
                 tool=next(i for i, t in enumerate(self.tools) if t.name == name),
-                opening=(found.group("open") or b"").decode(),
-                listed=found.group("list") is not None,
+                opening=(groups["open"] or groups.get("tag") or b"").decode(),
+                listed=groups["list"] is not None,
                 spaced=spacing,
             )
             following = self._feed(self._fixed("middle", style, 0), written[found.end() :])
