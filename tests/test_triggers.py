@@ -11,10 +11,7 @@ on from there, and speculative decoding equals plain decoding token for token, g
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
 
 import jsonschema
 import pytest
@@ -26,7 +23,7 @@ from agentspec.engine import Engine
 from agentspec.gguf import read_gguf
 from agentspec.gguf.config import model_tokenizer
 from agentspec.params import GenerationParams
-from agentspec.structured.formats import FORMATS, CallTranscriber, ToolFormat
+from agentspec.structured.formats import FORMATS, CallTranscriber
 from agentspec.structured.grammar import GrammarCompiler
 from agentspec.structured.tools import ToolCallParser, parse_tools
 from agentspec.structured.triggers import AutoCallGrammar
