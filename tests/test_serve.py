@@ -499,3 +499,19 @@ def test_wire_error_statuses(error, status, code):
     else:
         expected = "Internal server error; see the server's log."
     assert body["error"]["message"] == expected and "secret" not in expected
+
+
+async def test_an_unforced_call_comes_back_as_tool_calls(api, model):
+    """tool_choice="auto": after a call in the history the model writes the next call itself (a bare
+    JSON object, not agentspec's compact line); the server returns it as ``tool_calls``."""
+    from tests.test_tools import HISTORY, WEATHER as CITY_WEATHER
+
+    request = dict(model=model, messages=[*HISTORY, {"role": "user", "content": "What's the weather in Rome?"}], tools=[CITY_WEATHER], max_tokens=40)
+    completion, chunks = await asyncio.gather(api.chat.completions.create(**request), collect(await api.chat.completions.create(**request, stream=True)))
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
+    fragments = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(f.function.arguments or "" for f in fragments) == call.function.arguments
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)  # the undecided opening was held back, never streamed as text

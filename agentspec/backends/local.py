@@ -25,7 +25,8 @@ from ..model import LoadedModel, load_model
 from ..params import GenerationParams
 from ..runtime import Channel, RequestHandle, Runtime
 from ..structured.formats import CallListGrammar, CallTranscriber, call_grammar, call_regex
-from ..structured.grammar import AutoCallGrammar, Grammar, RepeatedGrammar, schema_regex
+from ..structured.grammar import Grammar, RepeatedGrammar, schema_regex
+from ..structured.triggers import AutoCallGrammar
 from ..structured.tools import schema_tool_names
 from ..types import Limits, SpecConfig, SpecStats, Usage
 from .base import Request, Step
@@ -41,22 +42,26 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams) -> Callable[
         return None
     compiler = loaded.grammars
     fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
+    names = schema_tool_names(params.schema) if params.tool_mode != "off" else set()
+    tools = [tool for tool in params.tools if tool.name in names]
+    if params.tool_mode == "auto":  # the call is triggered by the reply's opening; its arguments checked by parse_tools
+
+        def build_auto() -> AutoCallGrammar:
+            return AutoCallGrammar(compiler, tools, fmt, parallel=params.parallel_tool_calls)
+
+        return build_auto
     if fmt is not None:  # the model family's call syntax around each allowed tool's arguments
-        names = schema_tool_names(params.schema)
-        tools = [tool for tool in params.tools if tool.name in names]
         call_regex(fmt, tools)  # raises now, not on the worker
     else:
         regex = schema_regex(params.schema, strict=params.tool_mode == "off")  # tools: checked per tool by parse_tools
 
-    def build() -> Grammar | RepeatedGrammar | CallListGrammar | AutoCallGrammar:
+    def build() -> Grammar | RepeatedGrammar | CallListGrammar:
         if fmt is not None:
-            calls: Any = call_grammar(compiler, fmt, tools, params.schema, parallel=params.parallel_tool_calls)
-        else:
-            grammar = compiler.compile(params.schema, regex=regex)
-            if params.tool_mode == "off":
-                return grammar
-            calls = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
-        return AutoCallGrammar(calls) if params.tool_mode == "auto" else calls
+            return call_grammar(compiler, fmt, tools, params.schema, parallel=params.parallel_tool_calls)
+        grammar = compiler.compile(params.schema, regex=regex)
+        if params.tool_mode == "off":
+            return grammar
+        return RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
 
     return build
 
@@ -172,8 +177,8 @@ class LocalBackend:
                 "shorten the messages (drop old turns or trim documents)."
             )
         max_new = min(params.max_tokens or room, room)
-        fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
-        calls = CallTranscriber(fmt) if fmt is not None else None
+        # a family's syntax, or any opening "auto" accepts → the canonical call text Step promises
+        calls = CallTranscriber() if params.tool_mode != "off" else None
         return LocalStream(self.runtime, Sequence(prompt_ids, params, max_new_tokens=max_new), _grammar_builder(loaded, params), calls)
 
     # -- observability -----------------------------------------------------------------------------

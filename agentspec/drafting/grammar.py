@@ -52,7 +52,8 @@ class Spellings(dict[int, list[int]]):
 class GrammarDrafter:
     """One request's grammar: its position, its forced drafts, and the cut and masks of any draft.
 
-    grammar: ``Grammar``, ``RepeatedGrammar`` or ``AutoCallGrammar`` (structured.grammar);
+    grammar: ``Grammar``, ``RepeatedGrammar``, ``CallListGrammar`` (structured.grammar, .formats) or
+      ``AutoCallGrammar`` (structured.triggers);
     proposes: whether forced text is drafted (``"grammar"`` in ``SpecConfig.sources``); without it
       the forced tokens are decoded one per pass, under the same masks.
     """

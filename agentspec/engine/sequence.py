@@ -39,7 +39,8 @@ class GrammarDeadEnd(RuntimeError):
 @dataclass(slots=True)
 class StepOutput:
     """What one step commits: new verified text and token ids, the finish reason if it ended, and
-    whether the reply is a tool call (known from its first token)."""
+    whether the reply is a tool call (known once its opening names a tool, under ``tool_choice="auto"``;
+    until then nothing is emitted: the undecided text is held back)."""
 
     text: str
     token_ids: list[int]
@@ -116,6 +117,7 @@ class SequenceState:
         self.grammar: GrammarDrafter | None = None
         if seq.grammar is not None:
             self.grammar = GrammarDrafter(seq.grammar, spellings, proposes="grammar" in params.spec.sources)
+        self._undecided: tuple[list[str], list[int]] = ([], [])  # text and ids held back until "auto" decides
 
     # -- draft --------------------------------------------------------------------------------------
 
@@ -208,6 +210,14 @@ class SequenceState:
         if finish is None:
             self._observe(kept)
         seq.finish_reason = finish
+        held_text, held_ids = self._undecided
+        if finish is None and self.grammar is not None and self.grammar.grammar.undecided(self.grammar.state):
+            held_text.extend(text)
+            held_ids.extend(emitted)
+            return StepOutput("", [], None, False)
+        if held_ids or held_text:  # decided (or ended): what was held back comes first
+            text, emitted = held_text + text, held_ids + emitted
+            self._undecided = ([], [])
         return StepOutput("".join(text), emitted, finish, self.is_call)
 
     @property

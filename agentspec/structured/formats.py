@@ -20,13 +20,13 @@ A template that shows no family syntax keeps agentspec's own tool section and ba
 from __future__ import annotations
 
 import hashlib
-import threading
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from .grammar import Grammar, schema_regex
+from .grammar import Grammar, States, schema_regex
 from .tools import ARGUMENTS_MARK, NAME_PREFIX, ToolSpec
 
 __all__ = ["ToolFormat", "FORMATS", "detect_format", "call_regex", "call_grammar", "template_tools", "template_id", "CallListGrammar", "CallTranscriber"]
@@ -127,7 +127,7 @@ class CallListGrammar:
     included) forced one token at a time; ``item`` is the grammar of one call. Where a call is
     complete the model chooses between the separator's first token and the closing's (an end token
     where the closing is empty). States are ints interned from (part, position) and ("item", item
-    state), all >= 0 as ``AutoCallGrammar`` expects of a call grammar.
+    state) (``States``).
     """
 
     def __init__(self, item: Grammar, *, opening: Sequence[int], separator: Sequence[int] | None, closing: Sequence[int]) -> None:
@@ -135,9 +135,7 @@ class CallListGrammar:
         self.compiler = compiler = item.compiler
         self.parts = {"opening": tuple(opening), "separator": tuple(separator or ()), "closing": tuple(closing)}
         self.parallel = bool(separator)
-        self._keys: list[tuple[Any, ...]] = []
-        self._ids: dict[tuple[Any, ...], int] = {}
-        self._lock = threading.Lock()
+        self._states = States()
         self._one_hot: dict[int, torch.Tensor] = {}  # a fixed part's token → its mask
         self._stop_mask = self._tokens_mask(compiler.stop_token_ids)
         ends = [self.parts["closing"][0]] if closing else list(compiler.stop_token_ids)
@@ -149,25 +147,18 @@ class CallListGrammar:
         mask[list(tokens)] = True
         return mask.to(self.compiler.device)
 
-    def _id(self, key: tuple[Any, ...]) -> int:
-        with self._lock:
-            if key not in self._ids:
-                self._ids[key] = len(self._keys)
-                self._keys.append(key)
-            return self._ids[key]
-
     def _enter(self, part: str, position: int = 0) -> int:
         """The state at ``position`` of a fixed part; past its end, the state after it."""
         if position < len(self.parts[part]):
-            return self._id((part, position))
-        return self._id(("done",)) if part == "closing" else self._id(("item", self.item.initial_state))
+            return self._states.id((part, position))
+        return self._states.id(("done",)) if part == "closing" else self._states.id(("item", self.item.initial_state))
 
     def _ended(self, key: tuple[Any, ...]) -> bool:
         """Whether ``key`` is an item state where the call is complete."""
         return key[0] == "item" and self.item.is_complete(key[1])
 
     def forced(self, state: int) -> list[int]:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             rest = list(self.parts[key[0]][key[1] :])
             return rest if key[0] == "closing" else rest + self.item.forced(self.item.initial_state)
@@ -178,13 +169,13 @@ class CallListGrammar:
         return []
 
     def held(self, state: int) -> int | None:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in ("opening", "separator"):
             return self.item.held(self.item.initial_state)
         return self.item.held(key[1]) if key[0] == "item" and not self._ended(key) else None
 
     def mask(self, state: int) -> torch.Tensor:
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             token = self.parts[key[0]][key[1]]
             if token not in self._one_hot:
@@ -199,14 +190,14 @@ class CallListGrammar:
 
     def advance(self, state: int, token: int) -> int | None:
         """The state after ``token``, or None if the grammar rejects it here."""
-        key = self._keys[state]
+        key = self._states.key(state)
         if key[0] in self.parts:
             return self._enter(key[0], key[1] + 1) if token == self.parts[key[0]][key[1]] else None
         if key[0] == "done":
             return None
         if not self._ended(key):
             following = self.item.advance(key[1], token)
-            return None if following is None else self._id(("item", following))
+            return None if following is None else self._states.id(("item", following))
         if self.parallel and token == self.parts["separator"][0]:
             return self._enter("separator", 1)
         if self.parts["closing"] and token == self.parts["closing"][0]:
@@ -219,25 +210,30 @@ class CallListGrammar:
             raise ValueError(f"token {token} was committed where the tool-call grammar rejects it")
         return following
 
+    def undecided(self, state: int) -> bool:
+        return False
+
     def is_complete(self, state: int) -> bool:
         """After the closing; or after a call where no other may follow and nothing closes the list."""
-        key = self._keys[state]
+        key = self._states.key(state)
         return key[0] == "done" or (self._ended(key) and not self.parallel and not self.parts["closing"])
 
 
 class CallTranscriber:
-    """A family's verified call text in, agentspec's canonical call text out: one compact
+    """Verified call text in, agentspec's canonical call text out: one compact
     ``{"name":"NAME","arguments":{...}}`` per line, what ``ToolCallParser`` reads.
 
-    The grammar wrote the family's fixed text verbatim and the arguments in compact JSON, so the
-    rewrite only finds each call's name and the extent of its arguments; the family's tags, brackets
-    and separators are dropped. Text is passed on as soon as it is known, so calls still stream, and
-    a call ends (its newline) where its arguments do: what follows is fixed text.
+    The text is a family's syntax, or any opening ``tool_choice="auto"`` accepts (a fence, a list, a
+    marker, spaced or compact keys, a ``<function=NAME>`` tag; ``triggers``): the grammar wrote the
+    arguments in compact JSON, so the rewrite only finds each call's name (after ``{"name":`` or in
+    the tag) and the extent of its arguments (the next object); tags, fences, brackets and
+    separators are dropped. Text is passed on as soon as it is known, so calls still stream, and a
+    call ends (its newline) where its arguments do: what follows is fixed text.
     """
 
-    def __init__(self, fmt: ToolFormat) -> None:
-        before, self._middle, _ = fmt.parts
-        self._start = before[before.rindex("{") :]  # '{"name": "': where each call's JSON begins
+    START = re.compile(r'\{\s*"name"\s*:\s*"|<function=|<function name="')  # a JSON call, or Hermes 2 Pro's tag
+
+    def __init__(self, fmt: ToolFormat | None = None) -> None:
         self._pending = ""
         self._state = "seek"  # seek → name → middle → arguments → seek
         self._depth, self._in_string, self._escaped = 0, False, False
@@ -247,24 +243,27 @@ class CallTranscriber:
         pending = self._pending + text
         while pending:
             if self._state == "seek":
-                at = pending.find(self._start)
-                if at < 0:
-                    pending = pending[-(len(self._start) - 1) :]  # a start may be split across pieces
+                found = self.START.search(pending)
+                if found is None:
+                    start = max(pending.rfind("{"), pending.rfind("<"))
+                    pending = pending[start:] if start >= 0 else ""  # a start may be split across pieces
                     break
                 out.append(NAME_PREFIX)
-                pending, self._state = pending[at + len(self._start) :], "name"
-            elif self._state == "name":  # tool names never hold a quote
-                end = pending.find('"')
+                pending, self._state = pending[found.end() :], "name"
+            elif self._state == "name":  # tool names never hold a quote or a '>'
+                end = min((at for at in (pending.find('"'), pending.find(">")) if at >= 0), default=-1)
                 out.append(pending if end < 0 else pending[:end])
                 if end < 0:
                     pending = ""
                     break
-                pending, self._state = pending[end:], "middle"
-            elif self._state == "middle":
-                if len(pending) < len(self._middle):
+                pending, self._state = pending[end + 1 :], "middle"
+            elif self._state == "middle":  # the arguments key, whatever its name and spacing
+                start = pending.find("{")
+                if start < 0:
+                    pending = ""
                     break
                 out.append(ARGUMENTS_MARK)
-                pending, self._state = pending[len(self._middle) :], "arguments"
+                pending, self._state = pending[start:], "arguments"
             else:
                 end = self._scan(pending)
                 if end is None:

@@ -31,10 +31,10 @@ import torch
 from ..errors import InvalidRequestError, UnsupportedFeatureError
 
 __all__ = [
-    "AutoCallGrammar",
     "Grammar",
     "GrammarCompiler",
     "RepeatedGrammar",
+    "States",
     "check_enforceable",
     "schema_from_response_format",
     "schema_regex",
@@ -198,6 +198,21 @@ class Grammar:
         """The state after a committed (already verified under ``mask``) token."""
         return self.index.get_next_state(state, token)
 
+    def advance_bytes(self, state: int, data: bytes) -> int | None:
+        """The state after the text ``data`` however it was tokenized (a token the model wrote
+        before this grammar applied), or None if the grammar rejects it. No canonical forcing."""
+        for byte in data:
+            token = self.compiler.byte_token.get(byte)
+            following = None if token is None else self.index.get_next_state(state, token)
+            if following is None:
+                return None
+            state = following
+        return state
+
+    def undecided(self, state: int) -> bool:
+        """Whether the output may still turn out to be free text (``AutoCallGrammar``): never here."""
+        return False
+
     def unconstrained(self, state: int) -> bool:
         """True where every token is allowed (no mask needed)."""
         return False
@@ -261,6 +276,26 @@ class Grammar:
         return tokens, None
 
 
+class States:
+    """A composite grammar's states: its keys (tuples) interned as the ints a request keeps.
+    Thread-safe; grows with the states a request reaches."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[Any, ...]] = []
+        self._ids: dict[tuple[Any, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def id(self, key: tuple[Any, ...]) -> int:
+        with self._lock:
+            if key not in self._ids:
+                self._ids[key] = len(self._keys)
+                self._keys.append(key)
+            return self._ids[key]
+
+    def key(self, state: int) -> tuple[Any, ...]:
+        return self._keys[state]
+
+
 class RepeatedGrammar:
     """One or more values of ``item`` separated by newlines: parallel tool calls, one per line.
 
@@ -310,71 +345,8 @@ class RepeatedGrammar:
     def is_complete(self, state: int) -> bool:
         return False  # only an end token ends a reply that may hold another value
 
-
-class AutoCallGrammar:
-    """``tool_choice="auto"``: free text, or a tool call if the reply starts with one (a lazy grammar).
-
-    At the first token the model chooses: any token that does not start with the call's first byte
-    (``{``; a family's opening such as ``<tool_call>``: ``<``) begins a text answer, after which
-    nothing is constrained; the call grammar's first canonical token (``{"``) begins a call, after
-    which the call grammar applies exactly as for a forced call. Tokens that start with that byte but
-    are not that token are masked, so a reply that opens a brace is always a well-formed call (an
-    opening that is a special token masks nothing else). Plain and speculative decoding share this mask, so output never depends on
-    speculation. States: ``UNDECIDED`` (before the first token), ``TEXT``, or the call grammar's own.
-    """
-
-    UNDECIDED = -2
-    TEXT = -1
-
-    def __init__(self, call: Any) -> None:
-        self.call = call
-        compiler = call.compiler
-        self._start_mask = call.mask(call.initial_state)  # only the canonical first token of a call
-        self.call_start = int(self._start_mask.nonzero()[0])
-        lead = int(compiler.first_byte[self.call_start])  # "{" for bare JSON, "<" for "<tool_call>"
-        opening = compiler.first_byte == lead if lead >= 0 else np.arange(compiler.vocab_size) == self.call_start
-        self._first_mask = ~torch.as_tensor(opening, device=compiler.device) | self._start_mask
-        self._free_mask = torch.ones(compiler.vocab_size, dtype=torch.bool, device=compiler.device)
-
-    @property
-    def initial_state(self) -> int:
-        return self.UNDECIDED
-
-    def is_call(self, state: int) -> bool:
-        return state >= 0
-
-    def forced(self, state: int) -> list[int]:
-        return self.call.forced(state) if state >= 0 else []
-
-    def held(self, state: int) -> int | None:
-        return self.call.held(state) if state >= 0 else None
-
-    def mask(self, state: int) -> torch.Tensor:
-        if state >= 0:
-            return self.call.mask(state)
-        return self._first_mask if state == self.UNDECIDED else self._free_mask
-
-    def unconstrained(self, state: int) -> bool:
-        return state == self.TEXT
-
-    def advance(self, state: int, token: int) -> int | None:
-        if state >= 0:
-            return self.call.advance(state, token)
-        if state == self.TEXT:
-            return self.TEXT
-        if token == self.call_start:
-            return self.call.advance(self.call.initial_state, token)
-        return self.TEXT if bool(self._first_mask[token]) else None
-
-    def next_state(self, state: int, token: int) -> int:
-        if state >= 0:
-            return self.call.next_state(state, token)
-        if state == self.UNDECIDED and token == self.call_start:
-            return self.call.next_state(self.call.initial_state, token)
-        return self.TEXT
-
-    def is_complete(self, state: int) -> bool:
-        return state >= 0 and self.call.is_complete(state)
+    def undecided(self, state: int) -> bool:
+        return False
 
 
 class GrammarCompiler:
@@ -394,8 +366,18 @@ class GrammarCompiler:
         self.vocabulary = Vocabulary(min(stop_token_ids), by_bytes)
         self.first_byte = np.array([piece[0] if piece else -1 for piece in token_bytes], dtype=np.int64)
         self.byte_token = {piece[0]: ids[0] for piece, ids in by_bytes.items() if len(piece) == 1}
+        self.token_bytes = token_bytes
+        self._special: dict[str, int | None] = {}
         self._cache: OrderedDict[str, Grammar] = OrderedDict()  # LRU by regex
         self._lock = threading.Lock()
+
+    def special_token(self, text: str) -> int | None:
+        """The id of the special token (no bytes of its own) spelled ``text``, or None if there is none."""
+        with self._lock:
+            if text not in self._special:
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                self._special[text] = ids[0] if len(ids) == 1 and not self.token_bytes[ids[0]] else None
+            return self._special[text]
 
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))

@@ -277,3 +277,18 @@ def test_profile_declares_native_tools_and_structured_output() -> None:
     profile = ChatAgentSpec().profile
     assert profile["tool_calling"] and profile["tool_choice"] and profile["structured_output"]
     assert profile["tool_call_streaming"] and not profile["image_inputs"]
+
+
+async def test_an_unforced_call_comes_back_as_tool_calls() -> None:
+    """tool_choice="auto" (the default): after a call in the history the model writes the next call
+    itself, and the reply carries it as ``tool_calls``, its opening never as text."""
+    history = [
+        HumanMessage("What's the weather in Paris?"),
+        AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "c1", "type": "tool_call"}]),
+        ToolMessage("18°C, cloudy", tool_call_id="c1"),
+        AIMessage("It is 18°C and cloudy in Paris."),
+        HumanMessage("What's the weather in Rome?"),
+    ]
+    reply = await ChatAgentSpec(max_tokens=40).bind_tools([get_weather]).ainvoke(history)
+    assert [(call["name"], call["args"]) for call in reply.tool_calls] == [("get_weather", {"city": "Rome"})]
+    assert reply.content == "" and reply.response_metadata["finish_reason"] == "tool_calls"

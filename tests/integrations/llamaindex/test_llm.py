@@ -95,3 +95,16 @@ async def test_cancelling_astream_chat_stops_decoding(llm: AgentSpecLLM) -> None
     after = client.metrics()
     assert after.requests == before.requests + 1  # the request ended (as 'cancelled')...
     assert after.output_tokens - before.output_tokens < 100  # ...long before its 400 tokens
+
+
+async def test_several_tool_calls_in_one_response(llm: AgentSpecLLM, weather_tool) -> None:
+    """``allow_parallel_tool_calls`` reaches the request as ``parallel_tool_calls``: one response may
+    hold several calls (the 135M model repeats its call), each a selection; without it, one call."""
+    ask = dict(user_msg="What is the weather in Paris and in Rome?", tool_required=True, max_tokens=60)
+    several = await llm.achat_with_tools([weather_tool], allow_parallel_tool_calls=True, **ask)
+    one = await llm.achat_with_tools([weather_tool], **ask)
+    selections = llm.get_tool_calls_from_response(several)
+    assert len(selections) >= 2 and len({s.tool_id for s in selections}) == len(selections)
+    assert all(s.tool_name == "get_weather" and isinstance(s.tool_kwargs, dict) and s.tool_kwargs.get("city") for s in selections)
+    assert len(llm.get_tool_calls_from_response(one)) == 1
+    assert several.additional_kwargs["finish_reason"] in ("tool_calls", "length")

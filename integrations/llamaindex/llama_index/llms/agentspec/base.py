@@ -181,12 +181,13 @@ class AgentSpecLLM(FunctionCallingLLM):
         user_msg: str | ChatMessage | None = None,
         chat_history: list[ChatMessage] | None = None,
         verbose: bool = False,
-        allow_parallel_tool_calls: bool = False,  # agentspec makes at most one call per response
+        allow_parallel_tool_calls: bool = False,
         tool_required: bool = False,
         tool_choice: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """Messages plus OpenAI function tools; ``tool_required`` → ``tool_choice="required"``, else "auto"."""
+        """Messages plus OpenAI function tools; ``tool_required`` → ``tool_choice="required"``, else "auto";
+        ``allow_parallel_tool_calls`` → ``parallel_tool_calls`` (several calls in one response)."""
         messages = list(chat_history or [])
         if isinstance(user_msg, str):
             user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
@@ -195,7 +196,8 @@ class AgentSpecLLM(FunctionCallingLLM):
         tool_specs = [tool.metadata.to_openai_tool() for tool in tools]
         if not tool_specs:
             return {"messages": messages, **kwargs}
-        return {"messages": messages, "tools": tool_specs, "tool_choice": resolve_tool_choice(tool_choice, tool_required), **kwargs}
+        choice = resolve_tool_choice(tool_choice, tool_required)
+        return {"messages": messages, "tools": tool_specs, "tool_choice": choice, "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
