@@ -24,7 +24,7 @@ from .llamacpp import LLAMACPP_SYSTEMS
 from .llamacpp import unavailable as llamacpp_unavailable
 from ..types import SpecConfig
 from .load import format_load_table, run_concurrency, second_turn_ttft
-from .passes import pass_report
+from .passes import pass_report, until_calibrated
 from .plot import write_bench_plot, write_load_plot
 from .remote import REMOTE_SOURCES, format_remote_table, run_remote_bench
 from .single import format_table, ngram_oracle_speedup, run_bench, suffix_gain
@@ -68,6 +68,7 @@ async def main(args: Any) -> int:
         raise SystemExit(str(exc)) from None
     async with Client(args.model, device=args.device, draft=args.draft, weights=args.weights) as client:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
+        await until_calibrated(client)
         report = await anyio.to_thread.run_sync(pass_report, client)
         print("\n".join(report.lines()), flush=True)
         if args.base_url:

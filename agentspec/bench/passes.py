@@ -4,13 +4,14 @@ weights at against what this machine reads (``read_bandwidth``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PassReport", "pass_report", "read_bandwidth", "weight_bytes"]
+__all__ = ["PassReport", "pass_report", "read_bandwidth", "weight_bytes", "until_calibrated"]
 
 POSITIONS = (1, 8)  # a plain step, and a verification of 7 drafted tokens
 READ_BYTES = 2**29  # the buffer read_bandwidth sums (512 MiB): far larger than any cache
@@ -69,6 +70,16 @@ class PassReport:
                 f"{reached / self.read_bytes_per_s:.0%} of what {read}"
             )
         return lines
+
+
+async def until_calibrated(client: Any, timeout_s: float = 120.0) -> None:
+    """Wait until a local client's engine has measured the pass shapes its start-up left for idle
+    time (``Engine.calibrate(idle=True)``): what is timed after runs on a worker with nothing else to do,
+    and the pass costs reported are measured, not estimated."""
+    engine = getattr(client, "engine", None)
+    deadline = time.monotonic() + timeout_s
+    while engine is not None and engine.calibrating and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def pass_report(client: Any) -> PassReport:
