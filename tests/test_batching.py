@@ -110,8 +110,9 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
 
 def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
     """``calibrate(idle=True)`` (a client's start-up) measures the plain step and the longest
-    verification, and leaves the other shapes to ``calibrate_idle``: one pass a call (a request that
-    arrives waits for one at most), shapes not measured yet, until none or the budget is left."""
+    verification, and leaves the rest to ``calibrate_idle``: one pass a call (a request that arrives
+    waits for one at most), the cost of a further sequence first (8 sequences of 4 tokens, then one
+    of 8 tokens, then 8 of one), then shapes not measured yet, until none or the budget is left."""
     engine = Engine(loaded, max_draft_tokens=5)
     passes: list[int] = []
     forward = engine.forward
@@ -125,13 +126,13 @@ def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
     shapes = range(1, engine.costs.max_positions + 1)
     assert [p for p in shapes if engine.costs.measured(p)] == [1, 6] and engine.calibrating
     engine.costs.record(2, 5.0)  # a pass of 2 positions ran meanwhile: not measured again
-    calls = 0
+    at_start, calls = len(passes), 0
     while engine.calibrating:
         before = len(passes)
         engine.calibrate_idle()
         assert len(passes) - before <= 1
         calls += 1
-    assert 2 not in passes[passes.index(6) + 3 :]  # after the start's runs of 6
+    assert passes[at_start : at_start + 3] == [32, 8, 8] and 2 not in passes[at_start:]
     assert calls > 3 and sum(engine.costs.measured(p) for p in shapes) > 3
 
 

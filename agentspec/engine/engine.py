@@ -122,8 +122,7 @@ class _Proposal(NamedTuple):
 class _IdleCalibration:
     """What ``Engine.calibrate(idle=True)`` left to measure while the engine is idle."""
 
-    block: KVBlock  # the calibration's past (its context of tokens)
-    runs: list[tuple[int, int]]  # (pass shape, run of it), most useful shape first
+    jobs: list[Callable[[], bool]]  # each runs one pass (True) or, skipped, none (False)
     key: tuple  # of _calibrations
     spent: float = 0.0  # seconds measured so far
 
@@ -186,9 +185,10 @@ class Engine:
         reuse: where an engine of this process already calibrated the same model, pass and shapes,
           start from its measurements instead (a second client on a loaded model starts without
           measuring again); the costs are tracked live from the first pass either way.
-        idle: measure only the first two shapes (and the cost of a further sequence) now, and the rest
-          within the budget one at a time while nothing else runs (``calibrate_idle``: the client's
-          worker thread calls it when no request is active or queued), so that start-up does not wait.
+        idle: measure only the first two shapes now, and the rest (the cost of a further sequence,
+          then the other shapes) within the budget one pass at a time while nothing else runs
+          (``calibrate_idle``: the client's worker thread calls it when no request is active or
+          queued), so that start-up does not wait for them.
         """
         key = (self.weights.name, tuple(self._calibrate_shapes), context, repeats)
         if reuse:
@@ -213,17 +213,55 @@ class Engine:
             if index >= 2 and (idle or time.perf_counter() - started > self.CALIBRATION_BUDGET_S):
                 break  # the rest are measured as passes of those shapes run (CostModel.record)
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
-        self._idle_calibration = _IdleCalibration(block, [(p, run) for p in order[2:] for run in range(repeats)], key) if idle else None
-        # What each further sequence adds to a pass: one token each of ``segments`` sequences against
-        # one sequence of ``segments`` tokens (same positions, same linear layers), both over the same
-        # short past (against the shapes' past of ``context`` the attention it saves hid the cost).
-        segments, past = 8, min(context, 4)
-        blocks = [KVBlock(self.layout) for _ in range(segments)]
-        self.forward([PackedRow(b, list(range(token, token + past)), 1) for b in blocks])
-        one = self._fastest([PackedRow(blocks[0], [token] * segments, segments)], repeats)
-        ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
-        self.costs.segment_ms = max(0.0, (ms - one) / (segments - 1))
+        if idle:  # the rest one pass at a time while idle: the cost of a further sequence first, then the shapes
+            skipped: set[int] = set()
+            jobs = [*self._segment_jobs(context, 1), *(self._shape_job(block, p, run, skipped) for p in order[2:] for run in range(repeats))]
+            self._idle_calibration = _IdleCalibration(jobs, key)
+        else:
+            for job in self._segment_jobs(context, repeats):
+                job()
         self._remember_calibration(key)
+
+    def _segment_jobs(self, context: int, repeats: int) -> list[Callable[[], bool]]:
+        """What each further sequence adds to a pass (``CostModel.segment_ms``): one token each of
+        ``segments`` sequences against one sequence of ``segments`` tokens (same positions, same linear
+        layers), both over the same short past (against the shapes' past of ``context`` the attention
+        it saves hid the cost). Three passes, one a job (each returns True: it ran one)."""
+        segments, past, token = 8, min(context, 4), self.CALIBRATION_TOKEN
+        blocks: list[KVBlock] = []
+        one: list[float] = []
+
+        def prefill() -> bool:
+            blocks.extend(KVBlock(self.layout) for _ in range(segments))
+            self.forward([PackedRow(b, list(range(token, token + past)), 1) for b in blocks])
+            return True
+
+        def one_sequence() -> bool:
+            one.append(self._fastest([PackedRow(blocks[0], [token] * segments, segments)], repeats))
+            return True
+
+        def many_sequences() -> bool:
+            ms = self._fastest([PackedRow(b, [token], 1) for b in blocks], repeats)
+            self.costs.segment_ms = max(0.0, (ms - one[0]) / (segments - 1))
+            blocks.clear()
+            return True
+
+        return [prefill, one_sequence, many_sequences]
+
+    def _shape_job(self, block: KVBlock, positions: int, run: int, skipped: set[int]) -> Callable[[], bool]:
+        """One run of a pass of ``positions`` over ``block`` (calibration's past), recorded; nothing
+        (False) for a shape measured before its first run (passes measure their own as they run) or
+        estimated at ``LONG_PASS_MS`` or more (a request arriving would wait for it)."""
+
+        def job() -> bool:
+            if positions in skipped or (run == 0 and (self.costs.measured(positions) or self.costs.cost(positions) >= self.LONG_PASS_MS)):
+                skipped.add(positions)
+                return False
+            rows = [PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)]
+            self.costs.record(positions, fastest_pass_ms(self.forward, rows, 1))
+            return True
+
+        return job
 
     def _remember_calibration(self, key: tuple) -> None:
         measured = CostModel(self.costs.max_positions)
@@ -238,31 +276,24 @@ class Engine:
 
     @torch.inference_mode()
     def calibrate_idle(self) -> None:
-        """One run of the next shape ``calibrate(idle=True)`` left, while nothing else runs (a request
-        arriving waits for one pass at most): shapes not measured yet (passes measure their own as
-        they run) whose cost, as estimated so far, is under ``LONG_PASS_MS``, each run as often as
-        calibration runs it, until ``CALIBRATION_BUDGET_S`` of such measuring is spent."""
+        """One pass of what ``calibrate(idle=True)`` left, while nothing else runs (a request arriving
+        waits for one pass at most): the cost of a further sequence, then shapes not measured yet,
+        each run as often as calibration runs it, until none or ``CALIBRATION_BUDGET_S`` is left."""
         idle = self._idle_calibration
         if idle is None:
             return
-        runs = idle.runs
-        while runs and runs[0][1] == 0 and (self.costs.measured(runs[0][0]) or self.costs.cost(runs[0][0]) >= self.LONG_PASS_MS):
-            skipped = runs.pop(0)[0]
-            while runs and runs[0][0] == skipped:
-                runs.pop(0)
-        if not runs or idle.spent > self.CALIBRATION_BUDGET_S:
-            self._idle_calibration = None  # done: its block of keys and values goes with it
-            return
-        (positions, _), started = runs.pop(0), time.perf_counter()
-        try:
-            ms = fastest_pass_ms(self.forward, [PackedRow(idle.block, [self.CALIBRATION_TOKEN] * positions, positions)], 1)
-        except Exception:  # out of memory, say: the shapes left are measured as they run instead
-            log.exception("calibration while idle failed; the pass shapes left are measured as they run")
-            self._idle_calibration = None
-            return
-        self.costs.record(positions, ms)
-        idle.spent += time.perf_counter() - started
-        self._remember_calibration(idle.key)
+        while idle.jobs and idle.spent <= self.CALIBRATION_BUDGET_S:
+            job, started = idle.jobs.pop(0), time.perf_counter()
+            try:
+                ran = job()
+            except Exception:  # out of memory, say: the shapes left are measured as they run instead
+                log.exception("calibration while idle failed; the pass shapes left are measured as they run")
+                break
+            if ran:
+                idle.spent += time.perf_counter() - started
+                self._remember_calibration(idle.key)
+                return
+        self._idle_calibration = None  # done: its blocks of keys and values go with it
 
     def _calibration_order(self) -> list[int]:
         """The shapes to measure, most useful first: a plain step and the longest verification, the
