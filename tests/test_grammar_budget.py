@@ -209,9 +209,9 @@ def test_index_built_in_a_child_process_is_killed_at_its_time_limit(loaded):
 
     timeout = lambda: LimitExceededError("over Limits.grammar_timeout_s", limit="grammar_timeout_s", code="grammar_timeout")  # noqa: E731
     compiler = GrammarCompiler(loaded.token_bytes, loaded.tokenizer, loaded.stop_token_ids, loaded.device)
-    compiler.index_builder = ProcessIndexBuilder(compiler.vocabulary, processes=1, timeout_s=60, on_timeout=timeout)
+    isolated_build = ProcessIndexBuilder(compiler.vocabulary, processes=1, timeout_s=60, on_timeout=timeout)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 5}}, "required": ["n", "s"]}
-    isolated = compiler.compile(schema)
+    isolated = compiler.compile(schema, build_index=isolated_build)
     here = GrammarCompiler(loaded.token_bytes, loaded.tokenizer, loaded.stop_token_ids, loaded.device).compile(schema)
     state, other = isolated.initial_state, here.initial_state
     for token in loaded.tokenizer.encode('{"n":12,"s":"ab"}', add_special_tokens=False):
@@ -219,12 +219,12 @@ def test_index_built_in_a_child_process_is_killed_at_its_time_limit(loaded):
         state, other = isolated.next_state(state, token), here.next_state(other, token)
     assert isolated.is_complete(state) and here.is_complete(other)
     with pytest.raises(agentspec.InvalidRequestError, match="cannot be compiled into a grammar"):
-        compiler.compile({}, regex="a{2,1}")  # the compiler refuses it in the child: its refusal, in agentspec's words
+        compiler.compile({}, regex="a{2,1}", build_index=isolated_build)  # the compiler refuses it in the child: its refusal, in agentspec's words
 
-    compiler.index_builder = ProcessIndexBuilder(compiler.vocabulary, processes=1, timeout_s=0.3, on_timeout=timeout)
+    quick = ProcessIndexBuilder(compiler.vocabulary, processes=1, timeout_s=0.3, on_timeout=timeout)
     started = time.perf_counter()
     with pytest.raises(LimitExceededError, match="grammar_timeout_s"):
-        compiler.compile(array_schema(11))  # seconds to build
+        compiler.compile(array_schema(11), build_index=quick)  # seconds to build
     assert time.perf_counter() - started < 20  # generous: the machine is shared
     assert len(compiler.cache) == 1  # the refused build kept nothing
     import multiprocessing

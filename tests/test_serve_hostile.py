@@ -299,3 +299,21 @@ def test_keys_file_and_tenant_salts(tmp_path):
     assert a != b and "key-a" not in a  # the key is never kept with the caches
     assert salted(a, None) == a and salted(a, "x").startswith(a + "/")  # a request's own salt stays within its tenant
     assert salted(a, b) != b and salted(a, {"not": "a string"}) == {"not": "a string"}  # left for validation to refuse
+
+
+async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loaded):
+    """The same limits hold without a server: ``Limits.template_timeout_s`` (here 50 ms; tokenizing
+    500,000 characters takes over a second) and ``grammar_timeout_s`` on the client's grammar
+    threads (``grammar_processes=0``, the embedded default)."""
+    from agentspec.errors import LimitExceededError
+
+    limits = agentspec.Limits(template_timeout_s=0.05, grammar_timeout_s=GRAMMAR_TIMEOUT_S)
+    async with agentspec.Client(limits=limits) as client:  # reuses the loaded weights
+        with pytest.raises(LimitExceededError, match="template_timeout_s") as refused:
+            client.stream([{"role": "user", "content": "word " * 100_000}])
+        assert refused.value.code == "template_timeout"
+        stream = client.stream(QUESTION, response_format=json_schema(slow_schema()), max_tokens=4)
+        with pytest.raises(LimitExceededError, match="grammar_timeout_s") as refused:
+            async with stream:
+                pass
+        assert refused.value.code == "grammar_timeout" and client.pending_requests == 0

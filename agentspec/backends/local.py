@@ -59,9 +59,9 @@ def _template_timeout(limits: Limits) -> Callable[[], LimitExceededError]:
     )
 
 
-def _grammar_builder(loaded: LoadedModel, params: GenerationParams, max_chars: int) -> Callable[[], Any] | None:
+def _grammar_builder(loaded: LoadedModel, params: GenerationParams, max_chars: int, build_index: Any) -> Callable[[], Any] | None:
     """Validate the request's schema now (raising InvalidRequestError, or LimitExceededError past
-    ``max_chars``: Limits.max_grammar_chars); build its index later."""
+    ``max_chars``: Limits.max_grammar_chars); build its index later (with ``build_index``, if given)."""
     if params.schema is None:
         return None
     compiler = loaded.grammars
@@ -75,9 +75,11 @@ def _grammar_builder(loaded: LoadedModel, params: GenerationParams, max_chars: i
 
     def build() -> Grammar | RepeatedGrammar | CallListGrammar | AutoCallGrammar:
         if fmt is not None:
-            calls: Any = call_grammar(compiler, fmt, tools, params.schema, parallel=params.parallel_tool_calls, max_chars=max_chars)
+            calls: Any = call_grammar(
+                compiler, fmt, tools, params.schema, parallel=params.parallel_tool_calls, max_chars=max_chars, build_index=build_index
+            )
         else:
-            grammar = compiler.compile(params.schema, regex=regex)
+            grammar = compiler.compile(params.schema, regex=regex, build_index=build_index)
             if params.tool_mode == "off":
                 return grammar
             calls = RepeatedGrammar(grammar) if params.parallel_tool_calls else grammar
@@ -158,6 +160,7 @@ class LocalBackend:
         # Grammar indexes are built here, not in anyio's pool shared with everything else; their
         # compiler (outlines_core) cannot be interrupted, so a build past its time limit is refused
         # and finishes in the background, holding one of these threads: at most this many at once.
+        self._build_index: ProcessIndexBuilder | None = None  # Limits.grammar_processes > 0
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="agentspec-grammar")
 
     async def start(self) -> None:
@@ -173,10 +176,10 @@ class LocalBackend:
                 prefix_cache=PrefixCache(int(limits.prefix_cache_mb * 2**20)) if limits.prefix_cache_mb else None,
                 weights=self.weights,
             )
-            grammars = loaded.grammars
-            grammars.cache.max_bytes = int(limits.grammar_cache_mb * 2**20)
+            grammars = loaded.grammars  # shared by the clients of this model: the smallest budget applies
+            grammars.cache.max_bytes = min(grammars.cache.max_bytes, int(limits.grammar_cache_mb * 2**20))
             if limits.grammar_processes:
-                grammars.index_builder = ProcessIndexBuilder(
+                self._build_index = ProcessIndexBuilder(
                     grammars.vocabulary, processes=limits.grammar_processes, timeout_s=limits.grammar_timeout_s, on_timeout=lambda: _grammar_timeout(limits)
                 )
             self.sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
@@ -232,7 +235,7 @@ class LocalBackend:
         max_new = min(params.max_tokens or room, room)
         fmt = loaded.chat.tool_format if params.tool_mode != "off" else None
         calls = CallTranscriber(fmt) if fmt is not None else None
-        grammar = _grammar_builder(loaded, params, limits.max_grammar_chars)
+        grammar = _grammar_builder(loaded, params, limits.max_grammar_chars, self._build_index)
         return LocalStream(self, Sequence(prompt_ids, params, max_new_tokens=max_new), grammar, calls)
 
     # -- observability -----------------------------------------------------------------------------

@@ -104,11 +104,18 @@ def call_regex(fmt: ToolFormat, tools: Sequence[ToolSpec], *, max_chars: int = M
 
 
 def call_grammar(
-    compiler: Any, fmt: ToolFormat, tools: Sequence[ToolSpec], schema: dict[str, Any], *, parallel: bool, max_chars: int = MAX_REGEX_CHARS
+    compiler: Any,
+    fmt: ToolFormat,
+    tools: Sequence[ToolSpec],
+    schema: dict[str, Any],
+    *,
+    parallel: bool,
+    max_chars: int = MAX_REGEX_CHARS,
+    build_index: Any = None,
 ) -> "CallListGrammar":
     """The grammar of a reply's calls of ``tools`` in ``fmt`` (``schema``: their ``call_schema``, kept
     as the grammar's label; compiling takes milliseconds to seconds: call it off the event loop)."""
-    item = compiler.compile(schema, regex=call_regex(fmt, tools, max_chars=max_chars))
+    item = compiler.compile(schema, regex=call_regex(fmt, tools, max_chars=max_chars), build_index=build_index)
     separator = compiler.encode(fmt.separator.encode()) if parallel and fmt.separator else None
     return CallListGrammar(item, opening=compiler.encode(fmt.opening.encode()), separator=separator, closing=compiler.encode(fmt.closing.encode()))
 

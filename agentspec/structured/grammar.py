@@ -425,17 +425,17 @@ class GrammarCompiler:
         self.vocabulary = Vocabulary(min(stop_token_ids), by_bytes)
         self.first_byte = np.array([piece[0] if piece else -1 for piece in token_bytes], dtype=np.int64)
         self.byte_token = {piece[0]: ids[0] for piece, ids in by_bytes.items() if len(piece) == 1}
-        self.cache: ByteBoundedCache[Grammar] = ByteBoundedCache(DEFAULT_GRAMMAR_CACHE_BYTES, _grammar_bytes)  # by regex
-        # regex → outlines_core Index; None: built here (isolated.ProcessIndexBuilder: in a child process)
-        self.index_builder: Callable[[str], Any] | None = None
+        # by regex; shared by every client of this model (the smallest Limits.grammar_cache_mb applies)
+        self.cache: ByteBoundedCache[Grammar] = ByteBoundedCache(DEFAULT_GRAMMAR_CACHE_BYTES, _grammar_bytes)
 
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
-    def compile(self, schema: dict[str, Any], *, regex: str | None = None) -> Grammar:
+    def compile(self, schema: dict[str, Any], *, regex: str | None = None, build_index: Callable[[str], Any] | None = None) -> Grammar:
         """The grammar of ``schema`` (cached by its regex). Building an index takes milliseconds for a
         small schema and seconds for a permissive one (``{"type": "object"}``): call it off the event
-        loop. Raises InvalidRequestError naming what is unsupported."""
+        loop. Raises InvalidRequestError naming what is unsupported. ``build_index``: regex → outlines_core
+        ``Index`` (``isolated.ProcessIndexBuilder``: in a child process); None builds it here."""
         from outlines_core import Index
 
         regex = regex if regex is not None else schema_regex(schema)
@@ -443,7 +443,7 @@ class GrammarCompiler:
         if cached is not None:
             return cached
         try:
-            index = self.index_builder(regex) if self.index_builder is not None else Index(regex, self.vocabulary)
+            index = build_index(regex) if build_index is not None else Index(regex, self.vocabulary)
         except LimitExceededError:  # the builder's time limit
             raise
         except Exception:  # e.g. a pattern no sequence of tokens can match; its text names the compiler's internals
