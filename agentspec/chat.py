@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Any, Sequence
 
-from .errors import InvalidRequestError
+from .errors import ContextLengthError, InvalidRequestError
 from .params import check_json_depth
 from .structured.formats import ToolFormat, detect_format, template_id, template_tools
 from .structured.tools import ToolSpec, with_tool_prompt
@@ -230,12 +230,35 @@ class ChatFormat:
         except Exception as exc:  # jinja raise_exception() in templates, e.g. strict role alternation
             raise InvalidRequestError(_template_refusal(exc)) from exc
 
-    def encode(self, messages: Any, tools: Sequence[ToolSpec] = ()) -> list[int]:
+    def encode(self, messages: Any, tools: Sequence[ToolSpec] = (), *, max_chars: int | None = None) -> list[int]:
         """Token ids of the prompt, with ``tools`` described to the model, starting with BOS where the
         model wants it (``add_bos``). Text inside messages never becomes a special token: a message
-        that contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection)."""
+        that contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection).
+
+        max_chars: messages whose text alone is longer are refused (``ContextLengthError``) before
+        anything is rendered or tokenized: the context window times the longest token's length, so
+        only prompts that could never fit are refused (tokenizing a megabyte costs seconds and
+        hundreds of megabytes)."""
+        if max_chars is not None:
+            self._check_length(messages, max_chars)
         ids = self._encode(messages, tools)
         return [self.bos_id, *ids] if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
+
+    @staticmethod
+    def _check_length(messages: Any, max_chars: int) -> None:
+        if not isinstance(messages, list):
+            return  # normalize_messages refuses it with its own message
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+            texts = (part.get("text") if isinstance(part, dict) else part for part in parts)
+            chars += sum(len(text) for text in texts if isinstance(text, str))  # anything else: normalize_messages refuses it
+        if chars > max_chars:
+            raise ContextLengthError(
+                f"The messages hold {chars} characters, more than the model's context window can take as tokens (at most "
+                f"{max_chars} characters); shorten the messages (drop old turns or trim documents)."
+            )
 
     def _encode(self, messages: Any, tools: Sequence[ToolSpec]) -> list[int]:
         normal, listing = self._prepare(messages, tools)
@@ -264,4 +287,13 @@ class ChatFormat:
         return ids + self._ids(rest)
 
     def _ids(self, text: str, **options: Any) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False, **options)) if text else []
+        if not text:
+            return []
+        try:
+            text.encode("utf-8")  # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer takes
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"The messages or tools contain a lone UTF-16 surrogate ({text[exc.start]!r}), which is not text; "
+                "send valid Unicode (an escaped surrogate must be half of a pair)."
+            ) from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False, **options))

@@ -316,7 +316,7 @@ class Client:
         def clear() -> None:
             if engine.prefix_cache is not None:
                 engine.prefix_cache.clear()
-            sources.suffixes.clear()
+            sources.clear_suffixes()
 
         await self.run_on_worker(clear)
 
@@ -326,7 +326,8 @@ class Client:
         """Validate the request now (raising ``InvalidRequestError``) and return its event stream."""
         self._require_running()
         check_json_depth("messages", messages, self.limits.max_json_depth)
-        generation = parse_params(params, default_spec=self.spec, max_json_depth=self.limits.max_json_depth)
+        limits = self.limits
+        generation = parse_params(params, default_spec=self.spec, max_json_depth=limits.max_json_depth, max_grammar_chars=limits.max_grammar_chars)
         return Stream(self.backend.open(Request(messages, generation, params)), generation)
 
     async def generate(self, messages: Any, **params: Any) -> Completion:

@@ -6,6 +6,7 @@ its cause::
     AgentSpecError
     ├── InvalidRequestError (also ValueError)   bad request input, raised before any work starts
     │   ├── ContextLengthError                  the prompt does not fit the model's context window
+    │   ├── LimitExceededError                  the request would cost more than a ``Limits`` field allows
     │   └── UnsupportedFeatureError             a valid OpenAI-shaped option this build cannot serve yet
     ├── ModelLoadError                          the model or a package it needs is missing or unsafe
     ├── ClientClosedError                       the client is not started, or already closed
@@ -21,6 +22,7 @@ __all__ = [
     "AgentSpecError",
     "InvalidRequestError",
     "ContextLengthError",
+    "LimitExceededError",
     "UnsupportedFeatureError",
     "ModelLoadError",
     "ClientClosedError",
@@ -41,6 +43,17 @@ class InvalidRequestError(AgentSpecError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """The prompt leaves no room to generate within the model's context window."""
+
+
+class LimitExceededError(InvalidRequestError):
+    """The request would cost more than the client allows (a grammar too large or too slow to build, a
+    chat template too slow to render); nothing was run. ``limit`` names the ``Limits`` field that
+    sets the bound, ``code`` the refusal (``agentspec serve`` sends it as the error's code)."""
+
+    def __init__(self, message: str, *, limit: str, code: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.code = code
 
 
 class UnsupportedFeatureError(InvalidRequestError):

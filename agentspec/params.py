@@ -20,6 +20,10 @@ from .types import Limits, SpecConfig
 __all__ = ["GenerationParams", "parse_params", "PARAM_NAMES", "check_json_depth", "json_depth"]
 
 MAX_STOP_STRINGS = 16
+# Text that could still become a stop string is held back and re-checked at every step (on the engine
+# thread every request shares), at a cost that grows with the stop's length: a stop string is a
+# marker, not a document.
+MAX_STOP_CHARS = 512
 TAG = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # a traffic class; also a Prometheus label value
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflow float32; 0 means greedy
 
@@ -40,8 +44,10 @@ PARAM_NAMES = frozenset(
         "parallel_tool_calls",
         "tag",
         "timeout",
+        "cache_salt",
     }
 )
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,7 @@ class GenerationParams:
     parallel_tool_calls: bool = False  # a tool reply may hold several calls, one per line
     tag: str | None = None  # traffic class: metrics are also aggregated per tag
     timeout: float | None = None  # seconds from submission until RequestTimeoutError
+    cache_salt: str | None = None  # requests share cached keys/values and earlier outputs only within one salt (a tenant)
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +105,9 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise InvalidRequestError("`stop` strings must not be empty; remove the empty string.")
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequestError(f"`stop` takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"`stop` strings may be at most {MAX_STOP_CHARS} characters long, got one of {longest}; stop on a shorter marker.")
     return tuple(dict.fromkeys(stops))
 
 
@@ -143,7 +153,7 @@ def check_json_depth(where: str, value: Any, limit: int) -> None:
         )
 
 
-def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[str, Any] | None, Any]:
+def _structure(params: dict[str, Any], max_grammar_chars: int) -> tuple[tuple[ToolSpec, ...], str, dict[str, Any] | None, Any]:
     """(tools, tool mode, the grammar's schema, the pydantic response model)."""
     tools, choice = params.get("tools"), params.get("tool_choice")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -152,7 +162,7 @@ def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[
         raise InvalidRequestError(
             f"`tool_choice` must be 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}."
         )
-    specs, mode, forced_name = parse_tools(tools, choice)
+    specs, mode, forced_name = parse_tools(tools, choice, max_grammar_chars=max_grammar_chars)
     structured = schema_from_response_format(params.get("response_format"))
     if mode != "off":
         if structured is not None:
@@ -165,8 +175,15 @@ def _structure(params: dict[str, Any]) -> tuple[tuple[ToolSpec, ...], str, dict[
     return tuple(specs), "off", schema, model
 
 
-def parse_params(params: dict[str, Any], *, default_spec: SpecConfig, max_json_depth: int = Limits().max_json_depth) -> GenerationParams:
-    """Validate keyword arguments of ``Client.stream``/``generate`` into ``GenerationParams``."""
+def parse_params(
+    params: dict[str, Any],
+    *,
+    default_spec: SpecConfig,
+    max_json_depth: int = Limits().max_json_depth,
+    max_grammar_chars: int = Limits().max_grammar_chars,
+) -> GenerationParams:
+    """Validate keyword arguments of ``Client.stream``/``generate`` into ``GenerationParams`` (the
+    ``Limits`` fields of the same names bound nesting and each tool's grammar)."""
     unknown = sorted(set(params) - PARAM_NAMES)
     if unknown:
         raise InvalidRequestError(
@@ -175,7 +192,7 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig, max_json_d
         )
     for name in ("tools", "tool_choice", "response_format", "stop"):
         check_json_depth(name, params.get(name), max_json_depth)
-    tools, tool_mode, schema, response_model = _structure(params)
+    tools, tool_mode, schema, response_model = _structure(params, max_grammar_chars)
     # Off unless asked for (OpenAI's default is on): given the choice, SmolLM2-135M repeats the call it
     # just made ("weather in Zürich" twice) instead of ending its reply.
     parallel = _given(params, "parallel_tool_calls", False)
@@ -210,6 +227,9 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig, max_json_d
     tag = params.get("tag")
     if tag is not None and not (isinstance(tag, str) and TAG.fullmatch(tag)):
         raise InvalidRequestError(f"`tag` must be 1-64 characters of letters, digits, '_', '-', '.' or ':', got {tag!r}.")
+    salt = params.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequestError(f"`cache_salt` must be a string of 1-{MAX_CACHE_SALT_CHARS} characters, got {type(salt).__name__}.")
     timeout = params.get("timeout")
     if timeout is not None and _number("timeout", timeout) <= 0:
         raise InvalidRequestError(f"`timeout` must be a positive number of seconds, got {timeout!r}.")
@@ -231,4 +251,5 @@ def parse_params(params: dict[str, Any], *, default_spec: SpecConfig, max_json_d
         parallel_tool_calls=parallel,
         tag=tag,
         timeout=float(timeout) if timeout is not None else None,
+        cache_salt=salt,
     )

@@ -140,16 +140,22 @@ class Runtime:
         self._thread.start()
         _LIVE.add(self)
 
+    def check_room(self) -> None:
+        """Raise EngineOverloadedError if ``submit`` would now (a request checks before costly work)."""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if len(self._incoming) + len(self._active) >= self.max_queued:
+            raise EngineOverloadedError(f"{self.max_queued} requests are already queued or running; retry when some finish.")
+
     def submit(self, handle: RequestHandle) -> None:
         with self._cond:
             if self._stopping:
                 raise ClientClosedError("The client is closed; create a new agentspec.Client to send requests.")
             if self.engine is None:
                 raise ClientClosedError("The client is not started; `await client.start()` first.")
-            if len(self._incoming) + len(self._active) >= self.max_queued:
-                raise EngineOverloadedError(
-                    f"{self.max_queued} requests are already queued or running; retry when some finish."
-                )
+            self._check_room()
             self._incoming.append(handle)
             self._cond.notify()
 

@@ -55,3 +55,13 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def agentspec_serve(*flags: str, start_timeout_s: float = 600) -> ServerProcess:
+    """``agentspec serve --port 0 FLAGS`` (a free loopback port), without the caller's
+    ``$AGENTSPEC_API_KEY``; ``wait_ready`` gives its URL, ``stop`` ends it."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "AGENTSPEC_API_KEY"}
+    return ServerProcess([sys.executable, "-m", "agentspec", "serve", "--port", "0", *flags], env=env, start_timeout_s=start_timeout_s)

@@ -25,7 +25,7 @@ import agentspec
 from agentspec.metrics import OTHER_TAG, MetricsAggregator
 from agentspec.params import GenerationParams, json_depth, parse_params
 from agentspec.types import SpecConfig, SpecStats
-from tests.processes import ServerProcess
+from tests.processes import ServerProcess, agentspec_serve
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("agentspec.serve", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
@@ -45,13 +45,12 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server_process():
-    command = [
-        sys.executable, "-m", "agentspec", "serve", "--port", "0", "--api-key", API_KEY, "--prefix-cache-mb", "0",
+    process = agentspec_serve(
+        "--api-key", API_KEY, "--prefix-cache-mb", "0",
         "--max-json-depth", str(MAX_JSON_DEPTH), "--max-tags", str(MAX_TAGS), "--allowed-host", EXTRA_HOST,
         "--limit-concurrency", str(LIMIT_CONCURRENCY), "--max-header-bytes", str(MAX_HEADER_BYTES),
-        "--timeout-keep-alive", str(KEEP_ALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-    ]  # fmt: skip
-    process = ServerProcess(command, env={k: v for k, v in os.environ.items() if k != "AGENTSPEC_API_KEY"}, start_timeout_s=START_TIMEOUT_S)
+        "--timeout-keep-alive", str(KEEP_ALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S), start_timeout_s=START_TIMEOUT_S,
+    )  # fmt: skip
     yield process
     process.stop()
 

@@ -115,6 +115,8 @@ def request_body(request: Request, *, model: str, server: str) -> dict[str, Any]
         body["speculative"] = params.spec.model_dump(mode="json")
     if params.tag is not None and server == "agentspec":
         body["tag"] = params.tag
+    if params.cache_salt is not None:  # agentspec serve and vLLM take it by this name
+        body["cache_salt"] = params.cache_salt
     return body
 
 

@@ -11,6 +11,7 @@ most expected tokens per millisecond; a request with only n-grams gets the n-gra
 
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ EARLY_EXIT = "early-exit:"
 NO_MODEL = "none"  # no draft model, not even the head shipped for the target
 
 log = logging.getLogger("agentspec.drafting")
+
+MAX_SALTED_SUFFIX_CACHES = 64  # tenants (cache salts) whose earlier outputs are kept, each up to SuffixCache.max_tokens
 
 
 def check_draft_reference(draft: Any) -> None:
@@ -52,7 +55,8 @@ class DraftSources:
     def __init__(self, loaded: Any, draft: str | None, costs: Any, *, device: Any = "auto", dtype: Any = "auto") -> None:
         self.loaded = loaded
         self.costs = costs
-        self.suffixes = SuffixCache()
+        self.suffixes = SuffixCache()  # requests without a cache_salt (every request of an embedded client)
+        self._salted: collections.OrderedDict[str, SuffixCache] = collections.OrderedDict()  # per cache_salt, LRU
         self.history = SourceHistory()  # what requests measured about the draft model, for the next ones
         self.draft_model: Any = None
         self.head: DraftHead | None = None  # a trained draft head: given, or shipped for this target
@@ -91,8 +95,9 @@ class DraftSources:
         sources: list[Drafter] = []
         if (ngram := ngram_drafter(params, self.loaded)) is not None:
             sources.append(ngram)
-        if "suffix" in spec.sources and len(self.suffixes):
-            sources.append(SuffixDrafter(self.suffixes))
+        suffixes = self.suffixes_of(params.cache_salt)
+        if "suffix" in spec.sources and suffixes is not None and len(suffixes):
+            sources.append(SuffixDrafter(suffixes))
         if "model" in spec.sources and self.draft_model is not None:
             sources.append(ModelDrafter(self.draft_model, params, self.loaded.vocab_size, self.loaded.device))
         if "model" in spec.sources and self.head is not None:
@@ -104,6 +109,27 @@ class DraftSources:
         # a model costs time to run: even alone, the arbiter runs it only when it is predicted to pay
         return ArbiterDrafter(sources, self.costs, history=self.history)
 
-    def finished(self, output_ids: list[int]) -> None:
-        """A request ended with verified output: later requests may draft from it."""
-        self.suffixes.add(output_ids)
+    def suffixes_of(self, salt: str | None, *, create: bool = False) -> SuffixCache | None:
+        """The earlier outputs requests of ``salt`` draft from: a tenant's own (at most
+        ``MAX_SALTED_SUFFIX_CACHES`` tenants keep theirs, the least recently used is forgotten), so
+        acceptance never tells one tenant what another received."""
+        if salt is None:
+            return self.suffixes
+        cache = self._salted.get(salt)
+        if cache is None and create:
+            cache = self._salted[salt] = SuffixCache()
+            while len(self._salted) > MAX_SALTED_SUFFIX_CACHES:
+                self._salted.popitem(last=False)
+        if cache is not None:
+            self._salted.move_to_end(salt)
+        return cache
+
+    def clear_suffixes(self) -> None:
+        self.suffixes.clear()
+        self._salted.clear()
+
+    def finished(self, output_ids: list[int], salt: str | None = None) -> None:
+        """A request (of ``salt``) ended with verified output: later requests of that salt may draft from it."""
+        cache = self.suffixes_of(salt, create=True)
+        assert cache is not None
+        cache.add(output_ids)

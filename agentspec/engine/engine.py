@@ -322,7 +322,7 @@ class Engine:
             spellings=self.spellings,
         )
         if self.prefix_cache is not None:
-            seq.num_cached = self.prefix_cache.fill(state.block, seq.prompt_ids)
+            seq.num_cached = self.prefix_cache.fill(state.block, seq.prompt_ids, salt=seq.params.cache_salt)
             seq.stats.cached_prompt_tokens = seq.num_cached
         self._state[seq] = state
 
@@ -333,7 +333,7 @@ class Engine:
         seq.finish_stats()
         state = self._state.pop(seq, None)
         if state is not None and self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
-            self.prefix_cache.add(seq.tokens[: state.block.length], state.block)
+            self.prefix_cache.add(seq.tokens[: state.block.length], state.block, salt=seq.params.cache_salt)
 
     def close(self) -> None:
         """Drop every sequence, the prefix cache and what calibration left (their keys/values are freed now)."""

@@ -6,6 +6,11 @@ memory and evicted least recently used first. A new request copies the keys/valu
 common prefix with any kept sequence and prefills only the rest. The copy is a memory copy of the
 keys/values, far cheaper than the prefill pass it replaces.
 
+Entries carry the ``cache_salt`` of the request that made them (a tenant of ``agentspec serve``;
+None for every request of an embedded client), and a request reuses only entries of its own salt:
+how many prompt tokens came from the cache (``cached_prompt_tokens``) would otherwise tell one
+tenant what another sent.
+
 Keys/values depend only on the tokens before them, so a reused prefix decodes as a cold one does, up
 to float rounding between pass shapes (the same as between a verification and a plain step).
 """
@@ -28,12 +33,12 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._entries: collections.OrderedDict[int, tuple[torch.Tensor, KVBlock]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[int, tuple[torch.Tensor, KVBlock, str | None]] = collections.OrderedDict()
         self._next = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for _, block in self._entries.values())
+        return sum(block.nbytes for _, block, _ in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -41,28 +46,32 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def add(self, tokens: list[int], block: KVBlock) -> None:
-        """Keep ``block`` (whose first ``len(tokens)`` keys/values are those of ``tokens``); it is not
-        copied, so its sequence must be done with it. Kept sequences that are prefixes of it go."""
+    def add(self, tokens: list[int], block: KVBlock, *, salt: str | None = None) -> None:
+        """Keep ``block`` (whose first ``len(tokens)`` keys/values are those of ``tokens``) for requests
+        of ``salt``; it is not copied, so its sequence must be done with it. Kept sequences of the same
+        salt that are prefixes of it go."""
         if len(tokens) < self.MIN_TOKENS or block.nbytes > self.max_bytes:
             return
         ids = torch.tensor(tokens)
-        for key, (kept, _) in list(self._entries.items()):
-            if len(kept) <= len(ids) and torch.equal(kept, ids[: len(kept)]):
+        for key, (kept, _, kept_salt) in list(self._entries.items()):
+            if kept_salt == salt and len(kept) <= len(ids) and torch.equal(kept, ids[: len(kept)]):
                 del self._entries[key]
-        self._entries[self._next] = (ids, block)
+        self._entries[self._next] = (ids, block, salt)
         self._next += 1
         while self.nbytes > self.max_bytes:
             self._entries.popitem(last=False)
 
-    def fill(self, block: KVBlock, prompt: list[int]) -> int:
-        """Copy into ``block`` the keys/values of the longest kept prefix of ``prompt`` (never its last
-        token: its logits are needed). Returns how many tokens were filled in (0: a cold prefill)."""
+    def fill(self, block: KVBlock, prompt: list[int], *, salt: str | None = None) -> int:
+        """Copy into ``block`` the keys/values of the longest prefix of ``prompt`` kept for ``salt``
+        (never its last token: its logits are needed). Returns how many tokens were filled in (0: a
+        cold prefill)."""
         if not self._entries or len(prompt) <= self.MIN_TOKENS:
             return 0
         ids = torch.tensor(prompt[:-1])
         best_key, best = None, 0
-        for key, (kept, _) in self._entries.items():
+        for key, (kept, _, kept_salt) in self._entries.items():
+            if kept_salt != salt:
+                continue
             n = min(len(kept), len(ids))
             same = (kept[:n] == ids[:n]).to(torch.int8)
             length = n if bool(same.all()) else int(same.argmin())

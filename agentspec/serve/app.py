@@ -18,6 +18,10 @@ decoding of that request before its next engine step.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import ctypes
+import hashlib
 import hmac
 import json
 import re
@@ -35,10 +39,11 @@ from starlette.types import Receive, Scope, Send
 
 from ..client import Client, Stream
 from ..errors import AgentSpecError, ClientClosedError
+from ..params import MAX_CACHE_SALT_CHARS
 from ..types import Done
-from .wire import HTTPError, MessageBuilder, ReplyShaper, error_reply, parse_chat_request, sse
+from .wire import ChatRequest, HTTPError, MessageBuilder, ReplyShaper, error_reply, parse_chat_request, sse
 
-__all__ = ["create_app", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "LOOPBACK_HOSTS", "HostCheck", "json_text_depth"]
+__all__ = ["create_app", "MAX_BODY_BYTES", "BODY_TIMEOUT_S", "LOOPBACK_HOSTS", "HostCheck", "LoopLag", "json_text_depth", "tenant_salt"]
 
 # A request is messages, tools and schemas for a model with a context window of a few thousand
 # tokens: 4 MiB is far past any prompt the model can take, and bounds what one caller makes us buffer.
@@ -49,6 +54,13 @@ BODY_TIMEOUT_S = 30.0
 # The names a browser on this machine uses for a loopback server; any other Host header on a loopback
 # server is a DNS-rebinding page or a misdirected proxy.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# Requests parsed, validated, rendered and tokenized at once, off the event loop; more wait their turn
+# (each is bounded: the body's size, Limits.max_json_depth, max_grammar_chars, template_timeout_s).
+PREPARE_THREADS = 2
+# After a body this large is parsed (and refused or queued), the allocator is asked to hand its free
+# pages back to the system (glibc's malloc_trim): megabyte bodies parsed side by side otherwise leave
+# the process tens of megabytes bigger for good, and a flood of them hundreds.
+TRIM_AFTER_BYTES = 256 * 2**10
 SHUTTING_DOWN = "The server is shutting down; retry on another instance or after it restarts."
 
 
@@ -69,6 +81,12 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
+try:
+    _LIBC: Any = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # glibc only
+except (OSError, AttributeError):
+    _LIBC = None
+
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: linear on valid JSON
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _BRACKET_STEP = np.zeros(256, dtype=np.int32)
@@ -87,12 +105,67 @@ def json_text_depth(text: str) -> int:
     return int(np.cumsum(steps).max())
 
 
+def trim_heap() -> None:
+    """Return the allocator's free memory to the system, where the C library can (glibc)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def tenant_salt(key: bytes) -> str:
+    """The cache salt of the tenant a key stands for: a hash, so the key itself is never kept with
+    the caches (nor written to a log line that prints a request's parameters)."""
+    return "tenant-" + hashlib.sha256(b"agentspec tenant\x00" + key).hexdigest()[:32]
+
+
+def salted(tenant: str, own: Any) -> Any:
+    """A tenant's request's cache salt: the tenant's, then the request's own (which partitions the
+    tenant's caches further, never reaches another's). A malformed one is left for validation."""
+    if own is None:
+        return tenant
+    return f"{tenant}/{own}"[:MAX_CACHE_SALT_CHARS] if isinstance(own, str) and own else own
+
+
 def _host_name(host: str) -> str:
     """A ``Host`` header's name without its port, lower-case; IPv6 addresses keep their brackets."""
     host = host.strip().lower()
     if host.startswith("["):
         return host[: host.find("]") + 1] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else (f"[{host}]" if ":" in host else host)
+
+
+class LoopLag:
+    """How late the event loop wakes a task that sleeps ``PERIOD_S`` at a time: the longest time some
+    piece of work held the loop that serves every caller. ``watch`` runs as a task beside the server;
+    ``/metrics`` shows the worst lateness and how many wake-ups were later than each bound."""
+
+    PERIOD_S = 0.01
+    BOUNDS_S = (0.05, 0.1, 0.25, 0.5, 1.0)
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+        self.over = [0] * len(self.BOUNDS_S)
+
+    async def watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(self.PERIOD_S)
+            late = loop.time() - before - self.PERIOD_S
+            self.max_s = max(self.max_s, late)
+            for i, bound in enumerate(self.BOUNDS_S):
+                if late > bound:
+                    self.over[i] += 1
+
+    def metrics_text(self) -> str:
+        lines = [
+            "# HELP agentspec_event_loop_lag_max_seconds The longest the server's event loop was held (a sleeping task woken late).",
+            "# TYPE agentspec_event_loop_lag_max_seconds gauge",
+            f"agentspec_event_loop_lag_max_seconds {self.max_s:.6f}",
+            "# HELP agentspec_event_loop_stalls_total Wake-ups of the loop watcher later than the bound.",
+            "# TYPE agentspec_event_loop_stalls_total counter",
+        ]
+        lines += [f'agentspec_event_loop_stalls_total{{over="{bound:g}"}} {n}' for bound, n in zip(self.BOUNDS_S, self.over)]
+        return "\n".join(lines) + "\n"
 
 
 class HostCheck:
@@ -187,30 +260,44 @@ def create_app(
     *,
     model_name: str,
     api_key: str | None = None,
+    api_keys: Sequence[str] = (),
+    share_caches: bool = False,
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    loop_lag: LoopLag | None = None,
 ) -> Any:
     """The OpenAI-compatible application over ``client`` (started; the caller owns its lifetime),
     serving it as the model ``model_name``, to requests whose ``Host`` is in ``allowed_hosts``
-    (``["*"]``: any, e.g. behind a proxy that checks it)."""
-    expected = api_key.encode() if api_key else None
+    (``["*"]``: any, e.g. behind a proxy that checks it).
+
+    Keys (``api_key`` and ``api_keys``): each is a tenant. A tenant's requests reuse only its own
+    cached prompts and draft only from its own earlier outputs (their ``cache_salt`` is the tenant's,
+    followed by any the request sends), so ``cached_prompt_tokens`` and acceptance never reveal what
+    another tenant sent or received; ``share_caches`` lets all keys share them (one tenant)."""
+    keys = [key.encode() for key in dict.fromkeys([*([api_key] if api_key else []), *api_keys]) if key]
+    tenants = [None if share_caches else tenant_salt(key) for key in keys]
     started = int(time.time())
+    preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="agentspec-prepare")
     max_depth = client.limits.max_json_depth
 
-    def authorize(request: Request) -> None:
-        if expected is None:
-            return
+    def authorize(request: Request) -> str | None:
+        """The caller's tenant (its cache salt; None: no keys, or caches shared), or a 401."""
+        if not keys:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        given = token.strip().encode()
+        matches = [hmac.compare_digest(given, key) for key in keys]  # every key compared: the time tells no position
+        if scheme.lower() != "bearer" or not any(matches):
             raise HTTPError(
                 401,
                 "Missing or wrong API key: send `Authorization: Bearer <key>` with the key this server was started with.",
                 kind="authentication_error",
                 code="invalid_api_key",
             )
+        return tenants[matches.index(True)]
 
-    async def json_body(request: Request) -> Any:
+    async def json_body(request: Request) -> bytearray:
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             raise HTTPError(
@@ -230,6 +317,9 @@ def create_app(
                     raise too_large
         if reading.cancelled_caught:
             raise HTTPError(408, f"The request body did not arrive within {body_timeout_s:g} s; send it at once.", code="request_timeout")
+        return body
+
+    def parse_body(body: bytearray) -> Any:
         too_deep = HTTPError(
             400,
             f"The request body nests deeper than {max_depth} levels of lists and objects (Limits.max_json_depth; "
@@ -250,10 +340,28 @@ def create_app(
             raise too_deep
         return parsed
 
+    def prepare(body: bytearray, tenant: str | None) -> tuple[Stream, ChatRequest]:
+        """Parse, validate, render and tokenize one request: work whose cost the caller decides, so it
+        runs on the server's preparation threads (``client.stream`` bounds the template's time and the
+        grammar's size), never on the event loop that serves every caller."""
+        try:
+            return prepared(body, tenant)
+        finally:
+            if len(body) > TRIM_AFTER_BYTES:
+                del body
+                trim_heap()
+
+    def prepared(body: bytearray, tenant: str | None) -> tuple[Stream, ChatRequest]:
+        chat = parse_chat_request(parse_body(body), model=model_name)
+        if tenant is not None:
+            chat.params["cache_salt"] = salted(tenant, chat.params.get("cache_salt"))
+        return client.stream(chat.messages, **chat.params), chat  # validates: InvalidRequestError → 400
+
     async def chat_completions(request: Request) -> ChatReply:
-        authorize(request)
-        chat = parse_chat_request(await json_body(request), model=model_name)
-        stream = client.stream(chat.messages, **chat.params)  # validates: InvalidRequestError → 400
+        tenant = authorize(request)
+        body = await json_body(request)
+        future = asyncio.wrap_future(preparing.submit(prepare, body, tenant))
+        stream, chat = await future
         return ChatReply(stream, ReplyShaper(model_name, include_usage=chat.include_usage), streaming=chat.stream)
 
     def model_card() -> dict[str, Any]:
@@ -277,7 +385,8 @@ def create_app(
             "# TYPE agentspec_pending_requests gauge\n"
             f"agentspec_pending_requests {client.pending_requests}\n"
         )
-        return PlainTextResponse(client.metrics_text() + pending, media_type="text/plain; version=0.0.4; charset=utf-8")
+        lag = loop_lag.metrics_text() if loop_lag is not None else ""
+        return PlainTextResponse(client.metrics_text() + pending + lag, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": model_name, "pending_requests": client.pending_requests})

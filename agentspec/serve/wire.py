@@ -31,6 +31,7 @@ from ..errors import (
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
+    LimitExceededError,
     RequestTimeoutError,
     UnsupportedFeatureError,
 )
@@ -52,6 +53,7 @@ PASSED = (
     "min_p",
     "repetition_penalty",
     "tag",
+    "cache_salt",
 )
 IGNORED = ("user", "metadata", "store", "prompt_cache_key", "safety_identifier", "service_tier")
 # OpenAI options agentspec cannot serve, and the value that asks for nothing.
@@ -151,6 +153,8 @@ def error_reply(exc: BaseException) -> tuple[int, dict[str, Any]]:
         status, kind, param, code = exc.status, exc.kind, exc.param, exc.code
     elif isinstance(exc, ContextLengthError):
         status, kind, param, code = 400, "invalid_request_error", "messages", "context_length_exceeded"
+    elif isinstance(exc, LimitExceededError):
+        status, kind, param, code = 400, "invalid_request_error", None, exc.code
     elif isinstance(exc, UnsupportedFeatureError):
         status, kind, param, code = 400, "invalid_request_error", None, "unsupported_feature"
     elif isinstance(exc, InvalidRequestError):

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .grammar import Grammar, States, schema_regex
+from .grammar import MAX_REGEX_CHARS, Grammar, States, grammar_too_large, schema_regex
 from .tools import ARGUMENTS_MARK, NAME_PREFIX, ToolSpec
 
 __all__ = ["ToolFormat", "FORMATS", "detect_format", "call_regex", "call_grammar", "template_tools", "template_id", "CallListGrammar", "CallTranscriber"]
@@ -87,20 +87,35 @@ def _literal(text: str) -> str:
     )
 
 
-def call_regex(fmt: ToolFormat, tools: Sequence[ToolSpec]) -> str:
-    """One call of any of ``tools`` in the family's syntax, the arguments in compact JSON."""
+def call_regex(fmt: ToolFormat, tools: Sequence[ToolSpec], *, max_chars: int = MAX_REGEX_CHARS) -> str:
+    """One call of any of ``tools`` in the family's syntax, the arguments in compact JSON. The
+    alternatives are counted as they are made: past ``max_chars`` (``Limits.max_grammar_chars``) in
+    all, the tools are refused before the joined regex is built."""
     before, middle, after = fmt.parts
-    options = [
-        f"{_literal(before)}{_literal(tool.name)}{_literal(middle)}({schema_regex(tool.parameters, strict=False)}){_literal(after)}"
-        for tool in tools
-    ]
+    options: list[str] = []
+    length = 2
+    for tool in tools:
+        arguments = schema_regex(tool.parameters, strict=False, max_chars=max_chars)
+        options.append(f"{_literal(before)}{_literal(tool.name)}{_literal(middle)}({arguments}){_literal(after)}")
+        length += len(options[-1]) + 3
+        if length > max_chars:
+            raise grammar_too_large(f"The {len(tools)} tools' call syntax", max_chars)
     return options[0] if len(options) == 1 else "(" + "|".join(f"({option})" for option in options) + ")"
 
 
-def call_grammar(compiler: Any, fmt: ToolFormat, tools: Sequence[ToolSpec], schema: dict[str, Any], *, parallel: bool) -> "CallListGrammar":
+def call_grammar(
+    compiler: Any,
+    fmt: ToolFormat,
+    tools: Sequence[ToolSpec],
+    schema: dict[str, Any],
+    *,
+    parallel: bool,
+    max_chars: int = MAX_REGEX_CHARS,
+    build_index: Any = None,
+) -> "CallListGrammar":
     """The grammar of a reply's calls of ``tools`` in ``fmt`` (``schema``: their ``call_schema``, kept
     as the grammar's label; compiling takes milliseconds to seconds: call it off the event loop)."""
-    item = compiler.compile(schema, regex=call_regex(fmt, tools))
+    item = compiler.compile(schema, regex=call_regex(fmt, tools, max_chars=max_chars), build_index=build_index)
     separator = compiler.encode(fmt.separator.encode()) if parallel and fmt.separator else None
     return CallListGrammar(item, opening=compiler.encode(fmt.opening.encode()), separator=separator, closing=compiler.encode(fmt.closing.encode()))
 

@@ -17,18 +17,18 @@ rolling back a rejected draft is keeping the state of the committed tokens.
 
 from __future__ import annotations
 
-import functools
 import json
+import pickle
 import re
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..errors import InvalidRequestError, LimitExceededError, UnsupportedFeatureError
+from .budget import ByteBoundedCache, regex_size_bound
 
 __all__ = [
     "Grammar",
@@ -36,13 +36,15 @@ __all__ = [
     "RepeatedGrammar",
     "States",
     "check_enforceable",
+    "grammar_too_large",
     "schema_from_response_format",
     "schema_regex",
 ]
 
 MAX_FORCED_BYTES = 256  # longest forced text followed ahead of the model
-MAX_CACHED_GRAMMARS = 64  # compiled schemas kept per tokenizer (least recently used dropped)
-MAX_REGEX_CHARS = 200_000  # bigger schemas take too long and too much memory to index
+MAX_REGEX_CHARS = 200_000  # default Limits.max_grammar_chars: bigger schemas take too long and too much memory to index
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # Limits.grammar_cache_mb: built grammars kept per tokenizer
+MAX_CACHED_REGEX_BYTES = 16 * 2**20  # schema → regex texts kept (tokenizer-independent; least recently used dropped)
 WHITESPACE = ""  # compact JSON: no optional whitespace anywhere
 
 
@@ -83,11 +85,27 @@ def check_enforceable(schema: Any, path: str = "") -> None:
             check_enforceable(value, f"{path}/{keyword}")
 
 
-@functools.lru_cache(maxsize=256)
+_REGEXES: ByteBoundedCache[str] = ByteBoundedCache(MAX_CACHED_REGEX_BYTES, len)  # by the schema's JSON text; successes only
+
+
 def _regex(key: str) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
-    return build_regex_from_schema(key, whitespace_pattern=WHITESPACE)
+    regex = _REGEXES.get(key)
+    if regex is None:
+        regex = _REGEXES.put(key, build_regex_from_schema(key, whitespace_pattern=WHITESPACE))
+    return regex
+
+
+def grammar_too_large(what: str, limit: int) -> LimitExceededError:
+    """The refusal of a grammar whose regular expression would be longer than ``limit`` characters."""
+    return LimitExceededError(
+        f"{what} would compile to a grammar of over {limit} regex characters (Limits.max_grammar_chars; agentspec "
+        "serve --max-grammar-chars); bound it (fewer nested arrays or objects, required properties, fewer or "
+        "shorter alternatives) or split the request.",
+        limit="max_grammar_chars",
+        code="grammar_too_large",
+    )
 
 
 # What outlines_core's schema errors say, in agentspec's words: (its wording, ours). Each keeps only
@@ -110,7 +128,7 @@ def _schema_problem(compiler_text: str) -> str:
     return "it uses a keyword or structure the grammar compiler does not support"
 
 
-def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
+def schema_regex(schema: dict[str, Any], *, strict: bool = True, max_chars: int = MAX_REGEX_CHARS) -> str:
     """The schema's regular expression (cached; tokenizer-independent). Fast, and raises
     InvalidRequestError naming what is unsupported, so a request is rejected before any work starts.
 
@@ -118,6 +136,10 @@ def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
     always strict; a tool's parameters only with ``"strict": true``, as OpenAI's function calling:
     otherwise such keywords (``lt``/``ge`` bounds of a pydantic field, say) reach the model in the tool
     description but are not enforced.
+
+    max_chars: ``Limits.max_grammar_chars``. The regex's length is bounded from the schema first
+    (``budget.regex_size_bound``): a schema over the limit is refused (``LimitExceededError``) without
+    building its regex, which for nested arrays could take gigabytes.
     """
     try:
         key = json.dumps(schema)  # property order matters: it is the order fields are generated in
@@ -126,17 +148,20 @@ def schema_regex(schema: dict[str, Any], *, strict: bool = True) -> str:
     if strict:
         check_enforceable(schema)
     try:
+        bound = regex_size_bound(schema, cap=max_chars)
+    except RecursionError:  # references chained through deep schemas: far past any limit
+        bound = max_chars + 1
+    if bound > max_chars:
+        raise grammar_too_large("The JSON schema", max_chars)
+    try:
         regex = _regex(key)
     except Exception as exc:  # outlines_core names the unsupported keyword or structure
         raise InvalidRequestError(
             f"Unsupported or invalid JSON schema: {_schema_problem(str(exc))}. Use the supported subset "
             "(type, properties, required, items, enum, const, anyOf, $ref within the schema, bounds on lengths)."
         ) from None
-    if len(regex) > MAX_REGEX_CHARS:
-        raise InvalidRequestError(
-            f"The JSON schema is too large to compile ({len(regex)} regex characters > {MAX_REGEX_CHARS}); "
-            "bound it (maxLength, maxItems, fewer alternatives) or split the request."
-        )
+    if len(regex) > max_chars:  # the bound is checked against the compiler in tests; this never builds more
+        raise grammar_too_large("The JSON schema", max_chars)
     return regex
 
 
@@ -349,6 +374,12 @@ class RepeatedGrammar:
         return False
 
 
+def _grammar_bytes(grammar: Grammar) -> int:
+    """What a cached grammar holds: its index, measured as outlines_core serialises it (milliseconds
+    for an index of megabytes, next to the seconds it took to build), and its schema's JSON text."""
+    return len(pickle.dumps(grammar.index)) + len(json.dumps(grammar.schema))
+
+
 class GrammarCompiler:
     """Builds and caches grammars for one tokenizer (outlines_core ``Vocabulary`` from token bytes)."""
 
@@ -368,8 +399,9 @@ class GrammarCompiler:
         self.byte_token = {piece[0]: ids[0] for piece, ids in by_bytes.items() if len(piece) == 1}
         self.token_bytes = token_bytes
         self._special: dict[str, int | None] = {}
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()  # LRU by regex
         self._lock = threading.Lock()
+        # by regex; shared by every client of this model (the smallest Limits.grammar_cache_mb applies)
+        self.cache: ByteBoundedCache[Grammar] = ByteBoundedCache(DEFAULT_GRAMMAR_CACHE_BYTES, _grammar_bytes)
 
     def special_token(self, text: str) -> int | None:
         """The id of the special token (no bytes of its own) spelled ``text``, or None if there is none."""
@@ -382,27 +414,24 @@ class GrammarCompiler:
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
-    def compile(self, schema: dict[str, Any], *, regex: str | None = None) -> Grammar:
+    def compile(self, schema: dict[str, Any], *, regex: str | None = None, build_index: Callable[[str], Any] | None = None) -> Grammar:
         """The grammar of ``schema`` (cached by its regex). Building an index takes milliseconds for a
         small schema and seconds for a permissive one (``{"type": "object"}``): call it off the event
-        loop. Raises InvalidRequestError naming what is unsupported."""
+        loop. Raises InvalidRequestError naming what is unsupported. ``build_index``: regex → outlines_core
+        ``Index`` (``isolated.ProcessIndexBuilder``: in a child process); None builds it here."""
         from outlines_core import Index
 
         regex = regex if regex is not None else schema_regex(schema)
-        with self._lock:
-            if regex in self._cache:
-                self._cache.move_to_end(regex)
-                return self._cache[regex]
+        cached = self.cache.get(regex)
+        if cached is not None:
+            return cached
         try:
-            index = Index(regex, self.vocabulary)
+            index = build_index(regex) if build_index is not None else Index(regex, self.vocabulary)
+        except LimitExceededError:  # the builder's time limit
+            raise
         except Exception:  # e.g. a pattern no sequence of tokens can match; its text names the compiler's internals
             raise InvalidRequestError(
                 "The JSON schema cannot be compiled into a grammar for this model's vocabulary (e.g. a `pattern` "
                 "that no sequence of tokens can match); simplify its patterns or formats."
             ) from None
-        grammar = Grammar(schema=schema, index=index, compiler=self)
-        with self._lock:
-            grammar = self._cache.setdefault(regex, grammar)
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-            return grammar
+        return self.cache.put(regex, Grammar(schema=schema, index=index, compiler=self))

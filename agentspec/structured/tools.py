@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .grammar import schema_regex
+from .grammar import MAX_REGEX_CHARS, schema_regex
 from ..types import ToolCall, ToolCallDelta
 
 __all__ = ["ToolSpec", "parse_tools", "call_schema", "schema_tool_names", "with_tool_prompt", "ToolCallParser", "CallAssembler"]
@@ -38,7 +38,7 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
-def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]:
+def parse_tools(tools: Any, tool_choice: Any, *, max_grammar_chars: int = MAX_REGEX_CHARS) -> tuple[list[ToolSpec], str, str]:
     """Validate ``tools``/``tool_choice``.
 
     Returns the tools, the mode ("off": answer in text, "auto": the model decides, "forced": a call
@@ -60,9 +60,10 @@ def parse_tools(tools: Any, tool_choice: Any) -> tuple[list[ToolSpec], str, str]
         if not isinstance(parameters, dict):
             raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object.")
         try:
-            schema_regex(parameters, strict=function.get("strict") is True)
-        except InvalidRequestError as exc:
-            raise type(exc)(f"tools[{i}] ({name!r}).function.parameters: {exc}") from None
+            schema_regex(parameters, strict=function.get("strict") is True, max_chars=max_grammar_chars)
+        except InvalidRequestError as exc:  # the same error (a LimitExceededError keeps its limit), located
+            exc.args = (f"tools[{i}] ({name!r}).function.parameters: {exc}",)
+            raise exc from None
         specs.append(ToolSpec(name, str(function.get("description", "")), parameters))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):

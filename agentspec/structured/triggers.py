@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import regex
 import torch
 
 from .formats import ToolFormat
-from .grammar import States, schema_regex
+from .grammar import MAX_REGEX_CHARS, States, schema_regex
 from .tools import ToolSpec
 
 __all__ = ["AutoCallGrammar", "MAX_UNDECIDED_BYTES", "FENCES", "openings"]
@@ -71,19 +71,26 @@ class AutoCallGrammar:
     """A reply that is text, or tool calls of ``tools`` opened in any of the family's ways.
 
     compiler: the vocabulary's ``GrammarCompiler``; fmt: the template's family syntax (None: agentspec's
-    own ``"arguments"`` key, no marker); parallel: several calls per reply (where the family allows).
+    own ``"arguments"`` key, no marker); parallel: several calls per reply (where the family allows);
+    max_chars, build_index: each tool's arguments grammar bounded and built as ``GrammarCompiler.compile``
+    builds a request's (Limits.max_grammar_chars; a child process under ``serve``).
     """
 
     TEXT = -1
 
-    def __init__(self, compiler: Any, tools: Sequence[ToolSpec], fmt: ToolFormat | None, *, parallel: bool) -> None:
+    def __init__(
+        self, compiler: Any, tools: Sequence[ToolSpec], fmt: ToolFormat | None, *, parallel: bool, max_chars: int = MAX_REGEX_CHARS,
+        build_index: Callable[[str], Any] | None = None,
+    ) -> None:
         self.compiler = compiler
         self.tools = list(tools)
         self.key = b'"parameters"' if fmt is not None and '"parameters"' in fmt.call else b'"arguments"'
         self.parallel = parallel and (fmt is None or fmt.separator is not None)
         # the JSON part: one grammar per tool's arguments, the same for every opening (cached by the compiler)
-        self.arguments = [compiler.compile(t.parameters, regex=schema_regex(t.parameters, strict=False)) for t in self.tools]
-        self.names = compiler.compile({"enum": [t.name for t in self.tools]}) if self.parallel else None
+        self.arguments = [
+            compiler.compile(t.parameters, regex=schema_regex(t.parameters, strict=False, max_chars=max_chars), build_index=build_index) for t in self.tools
+        ]
+        self.names = compiler.compile({"enum": [t.name for t in self.tools]}, build_index=build_index) if self.parallel else None
         self.markers: dict[int, bytes] = {}  # a special token that opens a call → its text
         for marker in openings(fmt):
             token = compiler.special_token(marker)
