@@ -111,8 +111,8 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
 def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
     """``calibrate(idle=True)`` (a client's start-up) measures the plain step and the longest
     verification, and leaves the rest to ``calibrate_idle``: one pass a call (a request that arrives
-    waits for one at most), the cost of a further sequence first (8 sequences of 4 tokens, then one
-    of 8 tokens, then 8 of one), then shapes not measured yet, until none or the budget is left."""
+    waits for one at most), the cost of a further sequence first (8 sequences of one token past, then
+    one of 8 tokens, then 8 of one), then shapes not measured yet, until none or the budget is left."""
     engine = Engine(loaded, max_draft_tokens=5)
     passes: list[int] = []
     forward = engine.forward
@@ -132,7 +132,7 @@ def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
         engine.calibrate_idle()
         assert len(passes) - before <= 1
         calls += 1
-    assert passes[at_start : at_start + 3] == [32, 8, 8] and 2 not in passes[at_start:]
+    assert passes[at_start : at_start + 3] == [8, 8, 8] and 2 not in passes[at_start:]
     assert calls > 3 and sum(engine.costs.measured(p) for p in shapes) > 3
 
 

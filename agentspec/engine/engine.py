@@ -225,9 +225,10 @@ class Engine:
     def _segment_jobs(self, context: int, repeats: int) -> list[Callable[[], bool]]:
         """What each further sequence adds to a pass (``CostModel.segment_ms``): one token each of
         ``segments`` sequences against one sequence of ``segments`` tokens (same positions, same linear
-        layers), both over the same short past (against the shapes' past of ``context`` the attention
-        it saves hid the cost). Three passes, one a job (each returns True: it ran one)."""
-        segments, past, token = 8, min(context, 4), self.CALIBRATION_TOKEN
+        layers), both over a past of one token (against the shapes' past of ``context`` the attention
+        it saves hid the cost). Three passes of ``segments`` positions, one a job (each returns True:
+        it ran one), so that none while idle is longer than a verification of 7 drafted tokens."""
+        segments, past, token = 8, 1, self.CALIBRATION_TOKEN
         blocks: list[KVBlock] = []
         one: list[float] = []
 
