@@ -13,6 +13,7 @@ import time
 import pytest
 
 import agentspec
+from agentspec.bench.passes import until_calibrated
 from agentspec.drafting.acceptance import Acceptance
 from agentspec.engine.lengths import RowBudget, choose_lengths
 from agentspec.engine import Engine, Sequence
@@ -144,9 +145,7 @@ async def test_a_client_measures_the_shapes_left_while_it_is_idle(loaded):
         costs = client.engine.costs
         at_start = sum(costs.measured(p) for p in range(1, costs.max_positions + 1))
         reply = await client.generate([{"role": "user", "content": "Say hi."}], max_tokens=4, speculative=False)
-        deadline = time.monotonic() + 60
-        while client.engine.calibrating and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until_calibrated(client, timeout_s=60)
         assert not client.engine.calibrating
         assert sum(costs.measured(p) for p in range(1, costs.max_positions + 1)) > max(at_start, 2)
     async with agentspec.Client() as quiet:

@@ -23,7 +23,7 @@ from ..gguf import GGML_TYPES, GGUFTensor
 
 __all__ = [
     "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
-    "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "FileRun", "Part", "unpermuted", "by_runs", "by_lanes_of_runs",
+    "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "FileRun", "Part", "rotary_order", "unpermuted", "by_runs", "by_lanes_of_runs",
 ]
 
 BLOCK = 32  # weights per block, both types
@@ -163,7 +163,7 @@ class Blocks:
 
     @functools.cached_property
     def _integer_layout(self) -> IntegerLayout | str:
-        return integer_layout_of(self.kind, self.factors is not None, *self.code_statistics())
+        return integer_layout_of(self.kind, self.has_factors, *self.code_statistics())
 
     def code_statistics(self) -> tuple[bool, int, int]:
         """What the integer layout depends on (``integer_layout_of``): whether a scale (or minimum)
@@ -315,12 +315,16 @@ def tensor_blocks(kind: str, raw: np.ndarray) -> Blocks | None:
     return Blocks("Q8_16", codes, scales, torch.zeros(outputs, blocks), factors, supers)
 
 
+def rotary_order(outputs: int, heads: int) -> torch.Tensor:
+    """For each of ``outputs`` query/key rows, the row llama.cpp's converter stored it as: within a
+    head, the two rotary halves interleaved (output t * half + j is row 2j + t)."""
+    return torch.arange(outputs).reshape(heads, outputs // heads // 2, 2).transpose(1, 2).reshape(outputs)
+
+
 def unpermuted(blocks: Blocks, heads: int) -> Blocks:
     """Undo llama.cpp's converter, which stores each head's query/key rows with the two rotary halves
     interleaved (transformers' GGUF reader undoes it the same way)."""
-    outputs = blocks.shape[0]
-    order = torch.arange(outputs).reshape(heads, outputs // heads // 2, 2).transpose(1, 2).reshape(outputs)
-    return blocks.rows(order)
+    return blocks.rows(rotary_order(blocks.shape[0], heads))
 
 
 # The kind of blocks each GGUF type is read into (``tensor_blocks``)
@@ -366,11 +370,10 @@ class FileBlocks:
         """Where outputs ``start`` .. ``stop - 1`` lie in the mapping (uint64 addresses of their rows of
         GGUF blocks; with ``heads``, the rows llama.cpp's converter moved them to)."""
         data = self.tensor.data
-        rows = np.arange(start, stop, dtype=np.uint64)
-        if self.heads is not None:  # within a head, output t * half + j was stored as row 2j + t (unpermuted)
-            per = self.shape[0] // self.heads
-            within, half = rows % per, per // 2
-            rows = rows - within + within % half * 2 + within // half
+        if self.heads is None:
+            rows = np.arange(start, stop, dtype=np.uint64)
+        else:
+            rows = rotary_order(self.shape[0], self.heads)[start:stop].numpy().astype(np.uint64)
         return data.ctypes.data + rows * np.uint64(data.shape[1])
 
     def dequantised_rows(self, ids: torch.Tensor) -> torch.Tensor:
