@@ -258,8 +258,7 @@ class Engine:
             if positions in skipped or (run == 0 and (self.costs.measured(positions) or self.costs.cost(positions) >= self.LONG_PASS_MS)):
                 skipped.add(positions)
                 return False
-            rows = [PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)]
-            self.costs.record(positions, fastest_pass_ms(self.forward, rows, 1))
+            self.costs.record(positions, self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
             return True
 
         return job
