@@ -9,7 +9,8 @@
    subset, on 1 or 2 threads: the same bits) and agrees with a plain reference (float64 sums of the
    dequantised weights; for integer rows, exact integer dot products scaled in float64). It runs the
    decoder layers of a tiny random model on float32 and float16 caches, two sequences in one pass and
-   one alone (the same bits), then a second pass over the cache. It prints one hash of every result's
+   one alone (the same bits), then a second pass over the cache. It lays random rows of each GGUF type
+   out with the kernels' repacker and multiplies them. It prints one hash of every result's
    bits per case: every level must print the same lines. Exit status 1 on a failed check. */
 
 #include <math.h>
@@ -346,6 +347,41 @@ static uint64_t check_layers(int activations, int key_half, int value_half) {
     return h;
 }
 
+/* agentspec_gguf_by_lanes on random rows of each GGUF type (float16 scales of sane sizes), in the
+   layout the type takes (integer_layout_of: factored for the K-quants), then the 16-bit product on
+   them: every level lays its own lanes out, and must give the same product bits (and statistics). */
+static uint64_t check_repack(int type) {
+    enum { N = 40, K = 512, M = 3 }; /* 40 outputs: a last group of 8 lanes on AVX-512 */
+    const int super = type >= 12 ? 256 : 32, bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : type == 8 ? 34 : type == 12 ? 144 : type == 13 ? 176 : 210;
+    const int codes = type == 8 ? 0 : type == 2 || type == 3 || type == 12 ? 1 : type == 14 ? 3 : 2;
+    const int mins = type == 3 || type == 7 || type == 12 || type == 13, factored = type >= 12, halves = type == 14;
+    const size_t row_bytes = (size_t)K / super * bytes;
+    uint8_t *raw = malloc(N * row_bytes), *out = calloc(N + 16, row_bytes * 2);
+    const uint8_t *rows[N];
+    int types[N], stats[3];
+    for (size_t i = 0; i < N * row_bytes; i++) raw[i] = (uint8_t)next();
+    for (int r = 0; r < N; r++) {
+        rows[r] = raw + r * row_bytes, types[r] = type;
+        for (int b = 0; b < K / super; b++)
+            for (int h = 0; h < 2; h++) { /* d (and the minimum's): 2^-9 .. 2^-8 */
+                const int at = type == 14 ? 208 : 2 * h;
+                if (h && !mins) break;
+                const uint16_t v = (uint16_t)(0x1800 | (next() & 0x3ff));
+                memcpy(raw + r * row_bytes + (size_t)b * bytes + at, &v, 2);
+            }
+    }
+    CHECK(agentspec_gguf_statistics(rows, types, N, K, 2, stats) == 0, "repack %d: statistics", type);
+    CHECK(agentspec_gguf_by_lanes(rows, types, N, K, codes, mins, factored, halves, 2, out, NULL) == 0, "repack %d: by lanes", type);
+    float x[M * K], y[M * N];
+    for (int i = 0; i < M * K; i++) x[i] = uniform();
+    agentspec_int_product(((((codes * 2 + mins) * 2 + factored) * 2 + halves) * 2) + 1, x, M, K, out, y, N, 2);
+    for (int i = 0; i < M * N; i++) CHECK(isfinite(y[i]), "repack %d: product %g", type, y[i]);
+    uint64_t h = hash_bytes(0xcbf29ce484222325u, y, sizeof(y));
+    h = hash_bytes(h, stats, sizeof(stats));
+    free(raw), free(out);
+    return h;
+}
+
 int main(void) {
     if (!agentspec_cpu_runs_this()) { /* (and where it needs AMX, asks Linux for the tiles, as blocks.py does) */
         printf("this CPU does not run the kernels of this level\n");
@@ -362,6 +398,8 @@ int main(void) {
         for (int c = 0; c < 3; c++)
             printf("layers %s %s-keys %s-values %016llx\n", rows[activations], caches[c][0] ? "float16" : "float32", caches[c][1] ? "float16" : "float32",
                    (unsigned long long)check_layers(activations, caches[c][0], caches[c][1]));
+    const int gguf_types[8] = {2, 3, 6, 7, 8, 12, 13, 14}; /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K */
+    for (int t = 0; t < 8; t++) printf("repack %d %016llx\n", gguf_types[t], (unsigned long long)check_repack(gguf_types[t]));
     printf("%s\n", failures ? "FAILED" : "ok");
     return failures != 0;
 }

@@ -270,7 +270,8 @@ def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
     """A C driver of the kernels (tests/kernels_check.c: products of every block type on float32 rows
     and of every integer layout (bytes, 4-, 5- and 6-bit codes, float16 and factored scales) on 8- and
     16-bit rows against plain references, row and thread invariance, the decoder layers of a
-    tiny random model on both caches, a sequence alone against two in a pass) passes on every level
+    tiny random model on both caches, a sequence alone against two in a pass, the repacker's layouts of
+    random rows of each GGUF type under a product) passes on every level
     this CPU runs and on ARM NEON, built with Debian's cross compiler and run under qemu-user, and
     all print the same hashes of their results' bits: NEON computes what x86 computes."""
     compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
@@ -284,7 +285,8 @@ def test_the_kernels_give_the_same_bits_on_every_architecture(levels, tmp_path):
             pytest.skip(f"{level.name} is checked with {cross} and {emulator}: install gcc-aarch64-linux-gnu and qemu-user (make install does, as root)")
         flags = [*kernel_flags(level.name, native=False), "-static"]  # qemu-user runs it without the other architecture's libraries
         printed[level.name] = _kernels_check(cross, flags, tmp_path / level.name, runner=[emulator])
-    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 4 + 2 * 8 + 2 * 3 + 1  # products, layers (two rows, three caches), "ok"
+    # products, layers (two rows, three caches), the repacker's (a GGUF type each), "ok"
+    assert len(printed) >= 2 and len(next(iter(printed.values()))) == 4 + 2 * 8 + 2 * 3 + 8 + 1
     for level, lines in printed.items():
         assert lines == printed[levels[0]], level
 
