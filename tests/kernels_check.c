@@ -47,11 +47,13 @@ static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) { /* FNV-1a */
     return h;
 }
 
-static uint16_t half_bits(float x) { /* x is a float16 value */
-    _Float16 h = (_Float16)x;
-    uint16_t bits;
-    memcpy(&bits, &h, 2);
-    return bits;
+static uint16_t half_bits(float x) { /* x is a float16 value (finite): its bits, exactly (no _Float16: clang 14 has none on x86) */
+    uint16_t sign = signbit(x) ? 0x8000u : 0;
+    float a = fabsf(x);
+    if (a < 6.103515625e-05f) return sign | (uint16_t)(a * 16777216.0f); /* zero or subnormal: a / 2^-24 */
+    int e;
+    float m = frexpf(a, &e); /* a = m 2^e, m in [0.5, 1) */
+    return sign | (uint16_t)((e + 14) << 10) | (uint16_t)((m * 2.0f - 1.0f) * 1024.0f);
 }
 
 /* The blocks checked: the kernels' four block types, and the GGUF types whose codes or scales the

@@ -25,14 +25,23 @@
    result does not depend on how many positions or sequences share its pass. */
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #elif defined(__aarch64__)
 #include <arm_neon.h>
+#if defined(__linux__)
 #include <asm/hwcap.h>
 #include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 #endif
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* built without OpenMP (Apple's clang): the same code on one thread, the pragmas ignored */
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -62,7 +71,7 @@
 #ifndef AGENTSPEC_AMX
 #define AGENTSPEC_AMX 0
 #endif
-#if AGENTSPEC_AMX && !(AGENTSPEC_WIDTH == 512 && AGENTSPEC_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__))
+#if AGENTSPEC_AMX && !(AGENTSPEC_WIDTH == 512 && AGENTSPEC_VNNI && (defined(__AMX_TILE__) || defined(__AMXTILE__)) && (defined(__AMX_INT8__) || defined(__AMXINT8__))) /* GCC's names, clang's */
 #error "AGENTSPEC_AMX=1 is AVX512-VNNI with AMX-INT8 tiles (-mavx512vnni -mamx-tile -mamx-int8)"
 #endif
 
@@ -433,28 +442,61 @@ INLINE vi vi_dot4(vi acc, vi u, vi s) { return vdotq_s32(acc, vreinterpretq_s8_s
 INLINE v16 v16_abs(v16 a) { return v16_max(a, v16_sub(v16_zero(), a)); }
 
 /* Whether this CPU runs what this library was built for (compiled for any CPU of its architecture, so
-   safe to call). Call it before any product: on the AMX level it also asks Linux for the tiles. */
-#if defined(__aarch64__)
+   safe to call). Call it before any product: on the AMX level it also asks Linux for the tiles.
+   Features come from the CPU itself (cpuid, and xgetbv for what the system saves on a context switch)
+   or the system (getauxval on Linux, sysctlbyname on macOS): no compiler built-ins, so GCC 11 and
+   clang 14 build it. */
+#if defined(__aarch64__) && defined(__linux__)
 int agentspec_cpu_runs_this(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
+#elif defined(__aarch64__) && defined(__APPLE__)
+int agentspec_cpu_runs_this(void) {
+    int found = 0;
+    size_t size = sizeof found;
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &found, &size, NULL, 0) == 0 && found != 0;
+}
+#elif defined(__aarch64__)
+int agentspec_cpu_runs_this(void) { return 0; } /* how another system says so is not known here */
 #else
+#define BIT(n) (1u << (n))
+#define HAS(word, bits) (((word) & (bits)) == (bits))
+__attribute__((target("arch=x86-64"))) static uint64_t cpu_saved_state(void) {
+    uint32_t low, high; /* XCR0: the register state the system saves, so may be used */
+    __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+    return ((uint64_t)high << 32) | low;
+}
+
 __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
-    __builtin_cpu_init();
-    int ok = AGENTSPEC_WIDTH == 512 ? __builtin_cpu_supports("x86-64-v4") : __builtin_cpu_supports("x86-64-v3");
+    unsigned a1, b1, c1, d1, a7, b7, c7, d7, a71 = 0, b71, c71, d71, ae, be, ce, de;
+    if (!__get_cpuid(1, &a1, &b1, &c1, &d1) || !__get_cpuid_count(7, 0, &a7, &b7, &c7, &d7)) return 0;
+    if (a7 >= 1) __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71);
+    if (!__get_cpuid(0x80000001u, &ae, &be, &ce, &de)) ce = 0;
+    /* x86-64-v3: AVX, AVX2, FMA, F16C, BMI1/2, MOVBE, LZCNT (and v2's SSE4.2, POPCNT), with the
+       system saving the SSE and AVX registers (XCR0 bits 1, 2) */
+    int ok = HAS(c1, BIT(0) | BIT(9) | BIT(12) | BIT(13) | BIT(19) | BIT(20) | BIT(22) | BIT(23) | BIT(27) | BIT(28) | BIT(29)) &&
+             HAS(b7, BIT(3) | BIT(5) | BIT(8)) && HAS(ce, BIT(0) | BIT(5));
+    uint64_t saved = ok ? cpu_saved_state() : 0;
+    ok = ok && HAS(saved, 0x6u);
+#if AGENTSPEC_WIDTH == 512
+    /* x86-64-v4: AVX512 F, DQ, CD, BW, VL, with the opmask and upper zmm state saved (bits 5-7) */
+    ok = ok && HAS(b7, BIT(16) | BIT(17) | BIT(28) | BIT(30) | BIT(31)) && HAS(saved, 0xE0u);
+#endif
 #ifdef __AVX512VNNI__
-    ok = ok && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    ok = ok && HAS(c7, BIT(11)) && HAS(b7, BIT(31)) && HAS(saved, 0xE0u); /* AVX512-VNNI, AVX512VL */
 #endif
 #ifdef __AVXVNNI__
-    ok = ok && __builtin_cpu_supports("avxvnni");
+    ok = ok && HAS(a71, BIT(4)); /* AVX-VNNI */
 #endif
 #if AGENTSPEC_AMX && defined(__linux__)
-    /* Linux lets a process use the tiles once it asks (5.16 and later); each thread's 8 KB of tile
-       state is allocated at its first use */
-    ok = ok && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    /* AMX-TILE and AMX-INT8; Linux lets a process use the tiles once it asks (5.16 and later), each
+       thread's 8 KB of tile state allocated at its first use */
+    ok = ok && HAS(d7, BIT(24) | BIT(25)) && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #elif AGENTSPEC_AMX
     ok = 0; /* how another system grants the tiles is not known here */
 #endif
     return ok != 0;
 }
+#undef HAS
+#undef BIT
 #endif
 
 const int agentspec_lanes = LANES; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */

@@ -1,14 +1,20 @@
-"""The GGUF block kernels' instruction-set levels and their build.
+"""The GGUF block kernels' instruction-set levels: which this CPU runs, and their libraries.
 
-The kernels are C (``blocks.c``, its interface ``blocks.h``), one source built per instruction-set
-level (``LEVELS``: AVX-512 with VNNI and AMX tiles, with VNNI, without; AVX2 with and without
-AVX-VNNI; ARM NEON), compiled on first use with the machine's C compiler (``$CC``, else ``cc``) and
-cached under ``$AGENTSPEC_CACHE_DIR/kernels``. A pass runs on the fastest level the CPU runs
+The kernels are C (``blocks.c``, its interface ``blocks.h``), one source compiled per instruction-set
+level (``isa.LEVELS``: AVX-512 with VNNI and AMX tiles, with VNNI, without; AVX2 with and without
+AVX-VNNI; ARM NEON with dot products) when the package is built (``setup.py``), into the package's
+``kernels`` folder. A pass runs on the fastest level the CPU runs, told by its features
 (``$AGENTSPEC_ISA`` caps it: ``AGENTSPEC_ISA=avx2`` runs an AVX-512 machine as an AVX2 one), and every
-level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree, integer
-dot products exact. Where there is no compiler or no AVX2 there are no kernels, and
-``kernels_or_reason`` says why. ``BlocksArg``, ``LayerArg`` and ``SegmentArg`` mirror ``blocks.h``'s
-structures; a build whose structures differ in size is refused.
+level gives the same bits: float arithmetic on 16 logical lanes summed by one fixed tree, integer dot
+products exact.
+
+Where the package's libraries were built from another ``blocks.c`` than the one beside them (an
+editable checkout after an edit), or were not built at all, the machine's C compiler (``$CC``, else
+``cc``) builds them on first use into ``$AGENTSPEC_CACHE_DIR/kernels``; ``$AGENTSPEC_KERNELS=compile``
+does so always (a developer's override: tuned for this CPU), ``=packaged`` never.
+``$AGENTSPEC_KERNELS_DIR`` names another folder of prebuilt libraries (a distributor's, the tests'). Where no level runs
+there are no kernels, and ``kernels_or_reason`` says why. ``BlocksArg``, ``LayerArg`` and ``SegmentArg``
+mirror ``blocks.h``'s structures; a library whose structures differ in size is refused.
 """
 
 from __future__ import annotations
@@ -16,73 +22,35 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
-import subprocess
+import stat
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..model import cache_dir
+from .isa import (
+    KERNEL_HEADER, KERNEL_SOURCE, LEVEL_NAMES, LEVELS, MANIFEST, PACKAGED, Level, Variant, compile_library, compiler_version, file_digest, level_flags,
+    machine, source_digest,
+)
 
 __all__ = [
-    "KERNEL_SOURCE", "KERNEL_HEADER", "PRODUCT_SYMBOLS", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "INTEGER_KIND", "Level", "BlocksArg", "LayerArg", "SegmentArg",
-    "block_kernels", "kernels_or_reason", "isa_levels", "kernel_flags",
+    "KERNEL_SOURCE", "KERNEL_HEADER", "PRODUCT_SYMBOLS", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "KERNELS_VARIABLE", "FOLDER_VARIABLE", "INTEGER_KIND", "Level",
+    "BlocksArg", "LayerArg", "SegmentArg", "block_kernels", "kernels_or_reason", "isa_levels", "kernel_flags",
 ]
 
 log = logging.getLogger("agentspec.engine")
 
-KERNEL_SOURCE = Path(__file__).with_name("blocks.c")
-KERNEL_HEADER = Path(__file__).with_name("blocks.h")  # its interface: the structures BlocksArg, LayerArg and SegmentArg mirror
-FLAGS = ("-O3", "-mtune=native", "-ffp-contract=off", "-fopenmp")
-LIBRARY = ("-shared", "-fPIC")  # _build's: the kernels as a library (tests link blocks.c into a program)
 # The products on float32 rows, per block type (x, M, K, blocks grouped for few rows, for many, y, N, threads)
 PRODUCT_SYMBOLS = {"Q4_1": "agentspec_q4_1_product", "Q8_0": "agentspec_q8_0_product", "Q8_16": "agentspec_q8_16_product", "Q8_1": "agentspec_q8_1_product"}
 INTEGER_KIND = 4  # blocks.c: agentspec_blocks.kind of the blocks of integer rows, plus their layout's number
-
-
-@dataclass(frozen=True)
-class Level:
-    """An instruction-set level the kernels are built for: ``blocks.c`` once per level, with the
-    vector width and integer dot product as macros. Every level computes the same bits."""
-
-    name: str
-    arch: str  # platform.machine() of the CPUs it is for
-    width: int  # AGENTSPEC_WIDTH: 512 (AVX-512), 256 (AVX2, FMA, F16C) or 128 (NEON)
-    vnni: bool  # AGENTSPEC_VNNI: integer products with byte dot products (vpdpbusd, sdot; else vpmaddwd)
-    needs: tuple[str, ...]  # /proc/cpuinfo flags (x86) or features (ARM) the level needs
-    # compiler flags, the first whose needs this CPU has (AVX-VNNI's vpdpbusd on ymm is also an
-    # AVX512-VNNI + VL instruction: a CPU with those runs the same code, EVEX-encoded)
-    variants: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
-    # AGENTSPEC_AMX: integer products of 5 or more rows on AMX-INT8 tiles (tdpbsud), the same sums as
-    # vpdpbusd, so the same bits (fewer rows, and Q6_K's scales per half block, keep vpdpbusd)
-    amx: bool = False
-
-
-_V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-# Fastest first, per architecture. AGENTSPEC_ISA=<name> caps the level at <name> (tests build every
-# level a CPU runs). NEON is built and checked under qemu-user here (tests/kernels_check.c); its speed
-# is unmeasured until someone runs it on an ARM CPU.
-LEVELS: tuple[Level, ...] = (
-    Level(
-        "avx512-amx", "x86_64", 512, True, (*_V4, "avx512_vnni", "amx_tile", "amx_int8"),
-        ((("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"), ()),), amx=True,
-    ),
-    Level("avx512-vnni", "x86_64", 512, True, (*_V4, "avx512_vnni"), ((("-march=x86-64-v4", "-mavx512vnni"), ()),)),
-    Level("avx512", "x86_64", 512, False, _V4, ((("-march=x86-64-v4",), ()),)),
-    Level(
-        "avx2-vnni", "x86_64", 256, True, _V3,
-        ((("-march=x86-64-v3", "-mavxvnni"), ("avx_vnni",)), (("-march=x86-64-v3", "-mavx512vnni", "-mavx512vl"), ("avx512_vnni", "avx512vl"))),
-    ),
-    Level("avx2", "x86_64", 256, False, _V3, ((("-march=x86-64-v3",), ()),)),
-    Level("neon-dotprod", "aarch64", 128, True, ("asimddp",), ((("-march=armv8.2-a+dotprod",), ()),)),
-)
-LEVEL_NAMES = tuple(level.name for level in LEVELS)
 ISA_VARIABLE = "AGENTSPEC_ISA"
+KERNELS_VARIABLE = "AGENTSPEC_KERNELS"  # "compile": build them with $CC here; "packaged": only the package's
+FOLDER_VARIABLE = "AGENTSPEC_KERNELS_DIR"  # the prebuilt libraries and their manifest, if not the package's
 _compile_lock = threading.Lock()
 
 
@@ -120,7 +88,7 @@ class SegmentArg(ctypes.Structure):
 @functools.cache
 def _cpu_flags() -> frozenset[str] | None:
     """This CPU's flags (x86) or features (ARM) as Linux lists them (None where there is no
-    /proc/cpuinfo: the built library is asked instead)."""
+    /proc/cpuinfo: each library's own check of the CPU decides)."""
     info = Path("/proc/cpuinfo")
     if not info.exists():
         return None
@@ -128,72 +96,137 @@ def _cpu_flags() -> frozenset[str] | None:
     return frozenset(line.partition(":")[2].split())
 
 
-def _machine() -> str:
-    machine = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
-
-
 def kernel_flags(isa: str, native: bool = True) -> tuple[str, ...]:
     """The compiler flags ``blocks.c`` is built with for level ``isa``: for this CPU (``native``: its
-    tuning, and the variant of the level it runs), or for another machine of the level's
-    architecture (a cross compiler's build, as tests/test_blocks.py makes of NEON)."""
+    tuning, and the variant of the level it runs), or for any machine of the level's architecture
+    (the package's build; a cross compiler's, as tests/test_blocks.py makes of NEON)."""
     level = LEVELS[LEVEL_NAMES.index(isa)]
-    variant = _variant(level) if native else level.variants[0][0]
+    variant = _variant(level) if native else level.variants[0]
     if isinstance(variant, str):
         raise NotImplementedError(variant)
-    flags = FLAGS if native else tuple(f for f in FLAGS if f != "-mtune=native")
-    return (*flags, *variant, f"-DAGENTSPEC_WIDTH={level.width}", f"-DAGENTSPEC_VNNI={int(level.vnni)}", f"-DAGENTSPEC_AMX={int(level.amx)}")
+    return level_flags(level, variant, native=native)
 
 
-def _variant(level: Level) -> tuple[str, ...] | str:
-    """The compiler flags of ``level`` for this CPU, or what the CPU lacks for it."""
+def _variant(level: Level) -> Variant | str:
+    """The variant of ``level`` this CPU runs, or what the CPU lacks for it."""
     flags = _cpu_flags()
     missing = [] if flags is None else [f for f in level.needs if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    for variant, needs in level.variants:
-        if flags is None or all(f in flags for f in needs):
+    for variant in level.variants:
+        if flags is None or all(f in flags for f in variant.needs):
             return variant
-    return f"this CPU lacks {' or '.join('+'.join(needs) for _, needs in level.variants)}"
+    return f"this CPU lacks {' or '.join('+'.join(v.needs) for v in level.variants)}"
+
+
+def _folder() -> Path:
+    return Path(os.environ.get(FOLDER_VARIABLE) or PACKAGED)
+
+
+@functools.cache
+def _manifest(folder: Path) -> dict | str:
+    """What the package's build compiled into ``folder`` (isa.build_all's manifest), or why it is not
+    usable here."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "the package carries no compiled kernels"
+    except (OSError, ValueError) as exc:
+        return f"the package's kernels manifest is unreadable ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("source") != source_digest():
+        return "the package's kernels were built from another blocks.c"
+    return manifest
+
+
+def _packaged(level: Level, variant: Variant) -> Path | str:
+    """The package's library of ``level`` in ``variant``, checked against the digest its build
+    recorded, or why there is none."""
+    folder = _folder()
+    manifest = _manifest(folder)
+    if isinstance(manifest, str):
+        return manifest
+    name = level.library(variant)
+    recorded = manifest.get("libraries", {}).get(name)
+    if recorded is None:
+        return f"the package's kernels include no {name} (built for {manifest.get('arch')})"
+    library = folder / name
+    try:
+        if file_digest(library) != recorded:
+            return f"{library} is not the library the package's build wrote (its digest differs): reinstall agentspec-llm"
+    except OSError as exc:
+        return f"the package's {name} is unreadable ({exc})"
+    if not manifest.get("openmp", True):
+        log.warning("the GGUF block kernels were built without OpenMP (%s): they run on one thread", manifest.get("compiler"))
+    return library
+
+
+def _private(path: Path) -> bool:
+    """Whether ``path`` is this user's and no one else may write it (a cached library is loaded only so)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _compiled(level: Level, variant: Variant) -> Path | str:
+    """``level``'s library built here with the machine's C compiler, tuned for this CPU, into the cache
+    (reused by later processes), or why it cannot be."""
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
+    version = compiler_version(compiler)
+    if version is None:
+        return f"the C compiler {compiler!r} does not run"
+    flags = level_flags(level, variant, native=True)
+    cpu = " ".join(sorted(_cpu_flags() or ()))
+    key = hashlib.sha256("|".join([source_digest(), " ".join(flags), version, cpu]).encode()).hexdigest()[:16]
+    folder = cache_dir("kernels")
+    if folder is None:  # AGENTSPEC_CACHE_DIR=off: build in a folder of this process
+        folder = Path(tempfile.mkdtemp(prefix="agentspec-kernels-"))
+    library = folder / f"blocks-{level.name}-{key}.so"
+    with _compile_lock:
+        if library.exists() and not (_private(library) and _private(folder)):
+            return f"{library} (or its folder) may be written by another user: remove it, or set AGENTSPEC_CACHE_DIR to a folder of your own"
+        if not library.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                return f"could not build the GGUF block kernels in {folder} ({exc})"
+            error = compile_library(compiler, flags, library)
+            if error is not None:
+                return f"{level.name}: the GGUF block kernels do not build here ({error})"  # a lower level may
+            log.info("built the GGUF block kernels for %s: %s", level.name, library)
+    return library
 
 
 @functools.cache
 def _build(name: str) -> ctypes.CDLL | str:
-    """The kernels built for level ``name``, or why there are none here."""
+    """The kernels of level ``name``, or why there are none here."""
     level = LEVELS[LEVEL_NAMES.index(name)]
-    if level.arch != _machine():
+    if level.arch != machine():
         return f"{name}: the kernels of {level.arch} CPUs; this machine is {platform.machine()}"
-    try:
-        flags = (*kernel_flags(name), *LIBRARY)
-    except NotImplementedError as exc:  # what the CPU lacks for it
-        return f"{name}: {exc}"
-    compiler = _compiler()
-    if compiler is None:
-        return "no C compiler to build the GGUF block kernels (set CC, or install gcc)"
-    source = KERNEL_SOURCE.read_bytes() + KERNEL_HEADER.read_bytes()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"the C compiler {compiler!r} does not run ({exc})"
-    cpu = " ".join(sorted(_cpu_flags() or ()))
-    key = hashlib.sha256(b"|".join([source, " ".join(flags).encode(), version.encode(), cpu.encode()])).hexdigest()[:16]
-    folder = cache_dir("kernels")
-    if folder is None:  # AGENTSPEC_CACHE_DIR=off: build in a folder of this process
-        folder = Path(tempfile.mkdtemp(prefix="agentspec-kernels-"))
-    library = folder / f"blocks-{name}-{key}.so"
-    with _compile_lock:
-        if not library.exists():
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                partial = folder / f".{library.name}.{os.getpid()}"
-                done = subprocess.run([compiler, *flags, str(KERNEL_SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as exc:
-                return f"could not build the GGUF block kernels in {folder} ({exc})"
-            if done.returncode != 0:
-                error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-                return f"{name}: the GGUF block kernels do not build here ({error.strip()})"  # a lower level may
-            os.replace(partial, library)  # atomic: a concurrent builder's copy is the same
-            log.info("built the GGUF block kernels for %s: %s", name, library)
+    variant = _variant(level)
+    if isinstance(variant, str):  # what the CPU lacks for it
+        return f"{name}: {variant}"
+    how = os.environ.get(KERNELS_VARIABLE, "")
+    if how not in ("", "compile", "packaged"):
+        return f"{KERNELS_VARIABLE}={how!r} is not one of 'compile' (build them here with $CC) and 'packaged' (only the package's)"
+    library = _packaged(level, variant) if how != "compile" else "compiled as asked"
+    if isinstance(library, str):
+        if how == "packaged":
+            return f"{name}: {library} ({KERNELS_VARIABLE}=packaged)"
+        if how != "compile":
+            log.info("%s: %s; building them with the C compiler", name, library)
+        library = _compiled(level, variant)
+        if isinstance(library, str):
+            return library
+    return _loaded(level, library)
+
+
+def _loaded(level: Level, library: Path) -> ctypes.CDLL | str:
+    """The library at ``library`` loaded, checked and typed, or why it cannot be used."""
+    name = level.name
     kernels = ctypes.CDLL(str(library))
     if not kernels.agentspec_cpu_runs_this():
         granted = " (or the system did not grant its AMX tiles: Linux 5.16 or later does)" if level.amx else ""
@@ -222,6 +255,7 @@ def _build(name: str) -> ctypes.CDLL | str:
     ]
     kernels.agentspec_layers.restype = None
     kernels.isa = name
+    kernels.path = library
     kernels.lanes = ctypes.c_int.in_dll(kernels, "agentspec_lanes").value
     return kernels
 
@@ -238,7 +272,7 @@ def kernels_or_reason(isa: str | None = None) -> ctypes.CDLL | str:
         return f"{ISA_VARIABLE}={cap!r} is not a level; use one of {', '.join(LEVEL_NAMES)}"
     reasons = []
     for name in LEVEL_NAMES[LEVEL_NAMES.index(cap) :]:
-        if LEVELS[LEVEL_NAMES.index(name)].arch != _machine():
+        if LEVELS[LEVEL_NAMES.index(name)].arch != machine():
             continue
         kernels = _build(name)
         if not isinstance(kernels, str):

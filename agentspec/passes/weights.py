@@ -346,7 +346,10 @@ def _select(model: Any, layout: KVLayout, requested: str, gguf_file: Path | None
     if left_out:
         reason += f"; not candidates here: {'; '.join(left_out)}"
     isa = getattr(candidates[best], "isa", None)
-    log.info("target pass: %s%s (%s)", best, f" on {isa} kernels" if isa else "", reason)
+    # a GGUF file off the block kernels runs on weights dequantised to float32: several times the
+    # file's memory and slower, never without saying so
+    level = logging.WARNING if gguf_file is not None and best not in GGUF_ACTIVATIONS else logging.INFO
+    log.log(level, "target pass: %s%s (%s)", best, f" on {isa} kernels" if isa else "", reason)
     return SelectedWeights(best, candidates[best], reason, timings, _tolerance(best), isa)
 
 
