@@ -1,4 +1,4 @@
-"""The ``agentspec`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``train-draft``."""
+"""The ``agentspec`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``train-draft``; ``--version``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from . import DISTRIBUTION, __version__
 from .bench.workloads import WORKLOADS
 from .client import Client
 from .passes.weights import WEIGHTS
@@ -55,6 +56,7 @@ async def _chat(args: Any) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentspec", description="Lossless speculative decoding for local agent LLMs.")
+    parser.add_argument("--version", action="version", version=f"{DISTRIBUTION} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("demo", "stream three agent requests and compare them with plain decoding"), ("chat", "chat in the terminal"), ("bench", "benchmark against peers")):
         command = sub.add_parser(name, help=text)
