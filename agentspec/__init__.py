@@ -5,6 +5,9 @@ Public surface (locked by ``tests/test_public_api.py``)::
     async with agentspec.Client() as client:
         async for ev in client.stream(messages, max_tokens=256): ...
         done = await client.generate(messages)
+
+The distribution on the package index is ``agentspec-llm`` (``agentspec`` there is an unrelated
+project); the import name is ``agentspec``. ``__version__`` is the installed distribution's.
 """
 
 from .client import Client, Stream
@@ -22,7 +25,20 @@ from .errors import (
 )
 from .types import Completion, Done, Event, Limits, SpecConfig, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 
-__version__ = "0.1.0"
+DISTRIBUTION = "agentspec-llm"
+
+
+def _installed_version() -> str:
+    """The installed distribution's version; ``0+unknown`` for a source tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "Client",

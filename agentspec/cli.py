@@ -1,4 +1,4 @@
-"""The ``agentspec`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``train-draft``."""
+"""The ``agentspec`` command: ``demo``, ``chat``, ``bench``, ``serve`` and ``train-draft``; ``--version``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from . import DISTRIBUTION, __version__
 from .bench.workloads import WORKLOADS
 from .client import Client
 from .passes.weights import WEIGHTS
@@ -55,6 +56,7 @@ async def _chat(args: Any) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentspec", description="Lossless speculative decoding for local agent LLMs.")
+    parser.add_argument("--version", action="version", version=f"{DISTRIBUTION} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("demo", "stream three agent requests and compare them with plain decoding"), ("chat", "chat in the terminal"), ("bench", "benchmark against peers")):
         command = sub.add_parser(name, help=text)
@@ -78,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                        "(e.g. agentspec serve --prefix-cache-mb 0) and compare them with the embedded client's")
     bench.add_argument("--api-key", default=None, help="the --base-url server's API key (default: $AGENTSPEC_API_KEY)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
-    bench.add_argument("--plot", default=None, metavar="PNG", help="write the chart (needs matplotlib: pip install 'agentspec[bench]')")
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs: pip install 'agentspec[serve]')")
+    bench.add_argument("--plot", default=None, metavar="PNG", help="write the chart (needs matplotlib: pip install 'agentspec-llm[bench]')")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs: pip install 'agentspec-llm[serve]')")
     serve.add_argument("--model", default=None, help="local folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None, help="the model id callers send (default: the loaded model's name)")
     serve.add_argument("--draft", default=None, help="a draft model (a reference or early-exit:N), head:DIR, or none (default: the shipped head, if any)")

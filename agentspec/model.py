@@ -253,7 +253,7 @@ def _transformers_model(ref: str | Path | None, device: torch.device, dtype: tor
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
     except ImportError as exc:  # pragma: no cover - a dependency of the package
-        raise ModelLoadError("transformers is not installed; `pip install agentspec` installs it.") from exc
+        raise ModelLoadError("transformers is not installed; `pip install agentspec-llm` installs it.") from exc
     source, kwargs = _sources(ref)
     gguf_file = Path(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
     snapshot = snapshot_path(gguf_file, dtype) if gguf_file is not None else None

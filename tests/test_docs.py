@@ -107,7 +107,7 @@ def test_the_pages_have_python_to_run():
 async def test_python_blocks_run(page: Path, client: agentspec.Client, docs_server: str | None, monkeypatch) -> None:
     blocks = python_blocks(page)
     if docs_server is None and any(DOCS_URL in code for _, code in blocks):
-        pytest.skip(f"{page.name} talks to agentspec serve: pip install 'agentspec[serve]'")
+        pytest.skip(f"{page.name} talks to agentspec serve: pip install 'agentspec-llm[serve]'")
 
     def lend(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("base_url") is not None:

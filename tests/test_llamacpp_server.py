@@ -24,7 +24,7 @@ from agentspec.model import default_model_path
 from tests.processes import ServerProcess
 
 pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server is not installed: `make bench` installs it (pip compiles llama.cpp)")
-pytest.importorskip("openai", reason="the remote extra is not installed: pip install 'agentspec[remote]'")
+pytest.importorskip("openai", reason="the remote extra is not installed: pip install 'agentspec-llm[remote]'")
 
 LISTENING = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 WEATHER = {

@@ -35,8 +35,8 @@ from agentspec import (
     Usage,
 )
 
-pytest.importorskip("openai", reason="the remote extra is not installed: pip install 'agentspec[remote]'")
-pytest.importorskip("uvicorn", reason="the replay server needs the serve extra: pip install 'agentspec[serve]'")
+pytest.importorskip("openai", reason="the remote extra is not installed: pip install 'agentspec-llm[remote]'")
+pytest.importorskip("uvicorn", reason="the replay server needs the serve extra: pip install 'agentspec-llm[serve]'")
 
 from tests import replay_server as replay  # noqa: E402  (after the skips: it imports starlette and uvicorn)
 from tests.processes import ServerProcess  # noqa: E402

@@ -20,8 +20,8 @@ import agentspec
 from agentspec import Done, SpecStats, TextDelta, ToolCall, ToolCallDelta, Usage
 from tests.processes import ServerProcess
 
-openai = pytest.importorskip("openai", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
-wire = pytest.importorskip("agentspec.serve.wire", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
+openai = pytest.importorskip("openai", reason="the serve extra is not installed: pip install 'agentspec-llm[serve]'")
+wire = pytest.importorskip("agentspec.serve.wire", reason="the serve extra is not installed: pip install 'agentspec-llm[serve]'")
 
 API_KEY = "test-serve-key"
 MAX_QUEUED = 2  # small enough for the overload test to fill with two streams

@@ -22,7 +22,7 @@ import pytest
 from tests.processes import ServerProcess, agentspec_serve
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("agentspec.serve", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
+pytest.importorskip("agentspec.serve", reason="the serve extra is not installed: pip install 'agentspec-llm[serve]'")
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 START_TIMEOUT_S = 600  # loading and calibrating on a busy 2-core machine has taken 2.5 minutes

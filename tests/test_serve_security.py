@@ -28,7 +28,7 @@ from agentspec.types import SpecConfig, SpecStats
 from tests.processes import ServerProcess, agentspec_serve
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("agentspec.serve", reason="the serve extra is not installed: pip install 'agentspec[serve]'")
+pytest.importorskip("agentspec.serve", reason="the serve extra is not installed: pip install 'agentspec-llm[serve]'")
 
 API_KEY = "test-security-key"
 START_TIMEOUT_S = 600  # loading and calibrating on a busy 2-core machine has taken 2.5 minutes

@@ -356,7 +356,7 @@ class RemoteBackend:
         try:
             import openai
         except ImportError:
-            raise ModelLoadError("`base_url` needs the openai package: pip install 'agentspec[remote]'.") from None
+            raise ModelLoadError("`base_url` needs the openai package: pip install 'agentspec-llm[remote]'.") from None
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = "openai"  # the kind of server, known after start()

@@ -78,7 +78,7 @@ async def main(args: Any) -> int:
         if args.temperature and any(not s.startswith("agentspec") for s in systems):
             print(f"--temperature {args.temperature}: sampled rows are agentspec's only (the peers run greedy)", file=sys.stderr)
         if "outlines" in systems and importlib.util.find_spec("outlines") is None:
-            print("outlines is not installed (pip install 'agentspec[bench]'): no outlines rows", file=sys.stderr)
+            print("outlines is not installed (pip install 'agentspec-llm[bench]'): no outlines rows", file=sys.stderr)
             systems = [s for s in systems if s != "outlines"]
         if any(s in LLAMACPP_SYSTEMS for s in systems) and (reason := llamacpp_unavailable(client)) is not None:
             print(f"no llama.cpp rows: {reason}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""PNG figures for ``agentspec bench`` results (needs matplotlib: ``pip install 'agentspec[bench]'``).
+"""PNG figures for ``agentspec bench`` results (needs matplotlib: ``pip install 'agentspec-llm[bench]'``).
 
 - ``write_bench_plot``: agentspec's speedup over each peer per workload, and where its output
   tokens come from (accepted draft tokens by source, the rest from the target model).
@@ -32,7 +32,7 @@ def _matplotlib() -> Any:
         import matplotlib.figure  # noqa: F401  (Figure: no pyplot, so no global backend is switched)
     except ImportError as exc:
         raise ImportError(
-            "agentspec.bench.plot needs matplotlib: pip install matplotlib (or pip install 'agentspec[bench]')"
+            "agentspec.bench.plot needs matplotlib: pip install matplotlib (or pip install 'agentspec-llm[bench]')"
         ) from exc
     return matplotlib
 

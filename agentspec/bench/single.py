@@ -107,7 +107,7 @@ def _outlines_generate(client: Client, work: Workload, max_tokens: int) -> tuple
         import outlines
         from outlines.types import JsonSchema
     except ImportError:
-        raise SystemExit("the outlines peer needs the outlines package: pip install 'agentspec[bench]'") from None
+        raise SystemExit("the outlines peer needs the outlines package: pip install 'agentspec-llm[bench]'") from None
     loaded = client.loaded
     params = parse_params(work.params, default_spec=client.spec)
     messages = with_tool_prompt(work.messages, list(params.tools)) if params.tools else work.messages

@@ -1,7 +1,7 @@
 """``agentspec serve``: an OpenAI-compatible HTTP server over one embedded ``Client``.
 
 Every request shares the client's engine (batched passes). Needs the ``serve`` extra
-(``pip install 'agentspec[serve]'``: Starlette and uvicorn)::
+(``pip install 'agentspec-llm[serve]'``: Starlette and uvicorn)::
 
     from agentspec.serve import create_app, serve
     await serve(host="127.0.0.1", port=8000, api_key="...")     # until SIGINT/SIGTERM
@@ -15,7 +15,7 @@ try:
     import uvicorn  # noqa: F401
 except ModuleNotFoundError as exc:
     raise ModuleNotFoundError(
-        f"agentspec serve needs {exc.name}, which is not installed: pip install 'agentspec[serve]'", name=exc.name
+        f"agentspec serve needs {exc.name}, which is not installed: pip install 'agentspec-llm[serve]'", name=exc.name
     ) from exc
 
 from .app import create_app
