@@ -11,8 +11,10 @@ LLAMA_CPP_SOURCE := llama-cpp-python==0.3.36
 
 .PHONY: install demo test bench draft-head clean
 
-# What the demo needs: agentspec (editable) and the default model.
-$(DEMO_STAMP): pyproject.toml Makefile
+# What the demo needs: agentspec (editable; its install compiles the GGUF block kernels for every level
+# of this CPU's architecture, setup.py) and the default model.
+KERNEL_SOURCES := setup.py agentspec/passes/isa.py agentspec/passes/blocks.c agentspec/passes/blocks.h
+$(DEMO_STAMP): pyproject.toml Makefile $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
@@ -32,11 +34,12 @@ $(STAMP): $(DEMO_STAMP) integrations/langchain/pyproject.toml integrations/llama
 		mkdir -p $(VOCAB) && tar -xzf $$tmp/*.tar.gz -C $(VOCAB) --strip-components=4 --wildcards \
 			'*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf' '*/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf'; \
 		status=$$?; rm -rf $$tmp; exit $$status; }
-	# ARM's kernels are built and checked here with Debian's cross compiler under qemu-user (tests/test_blocks.py)
-	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	# ARM's kernels are built into an aarch64 wheel with Debian's cross compiler and checked under
+	# qemu-user, and clang builds every level (a stand-in for Apple's compiler; tests/test_wheel.py)
+	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v clang >/dev/null || \
 		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null; } || \
-		echo "no aarch64 cross compiler and qemu-user: install gcc-aarch64-linux-gnu and qemu-user to test the ARM kernels"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user clang >/dev/null; } || \
+		echo "no aarch64 cross compiler, qemu-user or clang: install gcc-aarch64-linux-gnu, qemu-user and clang to test the ARM kernels and clang's builds"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -71,4 +74,4 @@ draft-head: $(STAMP)
 	$(BIN)/agentspec train-draft --prompts examples/draft_traffic.jsonl --samples 2 --epochs 8 --out $(HEAD_DIR)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache agentspec/passes/kernels

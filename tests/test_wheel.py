@@ -94,6 +94,7 @@ async def test_the_wheel_runs_on_its_own_kernels_without_a_compiler(levels, clie
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     assert f"agentspec/passes/kernels/{block_kernels(levels[0]).path.name}" in names  # the library this CPU runs
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
     environment = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True, timeout=120)
     site = Path(subprocess.run([environment / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -190,3 +191,34 @@ def test_the_packaged_kernels_are_checked_before_they_are_loaded(levels, tmp_pat
         env = {**os.environ, FOLDER_VARIABLE: folder, KERNELS_VARIABLE: how, "CC": "", "PATH": str(Path(sys.executable).parent), "AGENTSPEC_CACHE_DIR": str(tmp_path / "cache")}
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
         assert expected in done.stdout, (folder, how, done.stdout + done.stderr[-1000:])
+
+
+def test_without_kernels_a_gguf_file_is_refused_or_its_float_pass_said_at_warning(tmp_path):
+    """Where no level of the kernels runs (here: a package that carries none, and no compiler), the
+    default GGUF file read as the model is refused with a typed error naming why and the float
+    pass's memory; read through transformers instead, "auto" may take a float32 pass, but says so
+    at WARNING with the reason — never silently slow."""
+    probe = (
+        "import logging\n"
+        "from agentspec.errors import ModelLoadError\n"
+        "from agentspec.engine.kv import KVLayout\n"
+        "from agentspec.model import load_model\n"
+        "from agentspec.passes.weights import select_weights\n"
+        "loaded = load_model(None)\n"
+        "try:\n"
+        "    select_weights(loaded.module, KVLayout.of(loaded.module), 'auto', loaded.gguf_file)\n"
+        "except ModelLoadError as exc:\n"
+        "    print('refused:', exc)\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+        "chosen = select_weights(loaded.model, KVLayout.of(loaded.model), 'auto', loaded.gguf_file)\n"
+        "print('chosen:', chosen.name)\n"
+    )
+    env = {**os.environ, FOLDER_VARIABLE: str(tmp_path / "empty"), KERNELS_VARIABLE: "packaged", "AGENTSPEC_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    refused = next(line for line in done.stdout.splitlines() if line.startswith("refused:"))
+    assert "the package carries no compiled kernels" in refused and "weights='fused'" in refused and "GB of memory" in refused
+    chosen = next(line for line in done.stdout.splitlines() if line.startswith("chosen:")).split()[-1]
+    assert chosen not in ("gguf", "gguf-q16", "gguf-q8")
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING target pass:")]
+    assert len(warnings) == 1 and "the package carries no compiled kernels" in warnings[0], done.stderr[-2000:]

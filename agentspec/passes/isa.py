@@ -174,6 +174,9 @@ def build_all(out: Path, compiler: str | None = None, arch: str | None = None, o
     version = compiler_version(compiler) if compiler else None
     if version is None:
         raise RuntimeError(f"no C compiler runs here ({compiler or 'set CC'}): the GGUF block kernels are compiled when the package is built")
+    built = _up_to_date(out, manifest, version, [level.library(variant) for level in levels for variant in level.variants])
+    if built is not None:  # an editable install's second build, or a build with nothing changed
+        return built
     openmp = _takes_openmp(compiler)
     manifest.update(compiler=version, openmp=openmp)
     builds = [(level, out / level.library(variant), level_flags(level, variant, openmp=openmp)) for level in levels for variant in level.variants]
@@ -185,3 +188,16 @@ def build_all(out: Path, compiler: str | None = None, arch: str | None = None, o
         manifest["libraries"][library.name] = file_digest(library)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def _up_to_date(out: Path, manifest: dict, version: str, names: list[str]) -> dict | None:
+    """The manifest in ``out`` where it records these libraries built from this source by this
+    compiler, and each is still the file it records; else None (build them)."""
+    try:
+        built = json.loads((out / MANIFEST).read_text())
+        same = {key: built.get(key) for key in ("source", "arch", "compiler")} == {**{key: manifest[key] for key in ("source", "arch")}, "compiler": version}
+        if same and sorted(built["libraries"]) == sorted(names) and all(file_digest(out / name) == built["libraries"][name] for name in names):
+            return built
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
