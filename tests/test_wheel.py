@@ -79,10 +79,11 @@ def packaged_lines(levels, tmp_path_factory) -> list[str]:
 def test_the_installed_package_carries_every_level_of_its_architecture(levels):
     """The editable install (``make``) built every level of this machine's architecture into the
     package, recorded with its digest, and "auto" loads the package's library, not a compiled one."""
+    rebuild = "blocks.c changed since the install built the kernels: `make test` (pip install -e .) rebuilds them"
     manifest = json.loads((PACKAGED / MANIFEST).read_text())
     expected = {level.library(variant) for level in LEVELS if level.arch == machine() for variant in level.variants}
     assert set(manifest["libraries"]) == expected
-    assert block_kernels(levels[0]).path.parent == PACKAGED
+    assert block_kernels(levels[0]).path.parent == PACKAGED, rebuild
 
 
 async def test_the_wheel_runs_on_its_own_kernels_without_a_compiler(levels, client, tmp_path):

@@ -99,7 +99,7 @@ def _cpu_flags() -> frozenset[str] | None:
 def kernel_flags(isa: str, native: bool = True) -> tuple[str, ...]:
     """The compiler flags ``blocks.c`` is built with for level ``isa``: for this CPU (``native``: its
     tuning, and the variant of the level it runs), or for any machine of the level's architecture
-    (the package's build; a cross compiler's, as tests/test_blocks.py makes of NEON)."""
+    (its first variant, untuned, as the package's build compiles it)."""
     level = LEVELS[LEVEL_NAMES.index(isa)]
     variant = _variant(level) if native else level.variants[0]
     if isinstance(variant, str):
