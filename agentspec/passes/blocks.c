@@ -653,7 +653,10 @@ static int product_arguments(const float *x, int M, int K, const void *w, const 
     return M >= 0 && K > 0 && K % 32 == 0 && N > 0 && threads >= 1 && (M == 0 || (x && w && y));
 }
 
-#define CHECKED_PRODUCT(TILE)                                                                          if (!product_arguments(x, M, K, few, y, N, threads) || (M && !many)) return AGENTSPEC_BAD_ARGUMENT;     PRODUCT(TILE)                                                                                      return AGENTSPEC_OK;
+#define CHECKED_PRODUCT(TILE)                                                                      \
+    if (!product_arguments(x, M, K, few, y, N, threads) || (M && !many)) return AGENTSPEC_BAD_ARGUMENT; \
+    PRODUCT(TILE)                                                                                  \
+    return AGENTSPEC_OK;
 
 /* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in layouts.py). */
 int agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
