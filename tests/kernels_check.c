@@ -198,16 +198,18 @@ static product make_product(const blocks *b, int activations) {
 
 static void run(const product *p, const float *x, int M, float *y, int threads) {
     const blocks *b = p->b;
+    int status;
     if (p->activations) {
-        agentspec_int_product(layout_number(b->kind, p->activations), x, M, b->K, p->few, y, b->N, threads);
-        return;
+        status = agentspec_int_product(layout_number(b->kind, p->activations), x, M, b->K, p->few, y, b->N, threads);
+    } else {
+        switch (base[b->kind]) {
+        case Q4_1: status = agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+        case Q8_0: status = agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+        case Q8_16: status = agentspec_q8_16_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+        default: status = agentspec_q8_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
+        }
     }
-    switch (base[b->kind]) {
-    case Q4_1: agentspec_q4_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    case Q8_0: agentspec_q8_0_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    case Q8_16: agentspec_q8_16_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    default: agentspec_q8_1_product(x, M, b->K, p->few, p->many, y, b->N, threads); break;
-    }
+    CHECK(status == AGENTSPEC_OK, "product %s (%d rows): status %d", names[b->kind], M, status);
 }
 
 /* blocks.c's agentspec_blocks.kind of a product (blocks.py: _blocks_arg) */
@@ -328,8 +330,10 @@ static uint64_t check_layers(int activations, int key_half, int value_half) {
     const float scaling = 0.25f; /* 1 / sqrt(16) */
     segment_arg both[2] = {{0, 5, 0, CAPACITY, kv_a, kv_a + key_bytes}, {5, 8, 0, CAPACITY, kv_b, kv_b + key_bytes}};
     segment_arg one[1] = {{0, 5, 0, CAPACITY, kv_alone, kv_alone + key_bytes}};
-    agentspec_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, both, 2, key_half, value_half, 2);
-    agentspec_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, one, 1, key_half, value_half, 1);
+    CHECK(agentspec_layers(hidden, 8, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, both, 2, key_half, value_half, 2) == 0,
+          "layers: a pass of two sequences refused");
+    CHECK(agentspec_layers(alone, 5, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos8, sin8, HEAD_DIM, scaling, 0.5f, one, 1, key_half, value_half, 1) == 0,
+          "layers: a pass of one sequence refused");
     CHECK(memcmp(alone, hidden, sizeof(alone)) == 0, "layers (%d-bit rows, %s keys, %s values): a sequence alone differs", 16 * (activations > 0),
           key_half ? "float16" : "float32", value_half ? "float16" : "float32");
     CHECK(memcmp(kv_alone, kv_a, kv_bytes) == 0, "layers: a sequence's keys and values alone differ");
@@ -338,11 +342,35 @@ static uint64_t check_layers(int activations, int key_half, int value_half) {
     float more[2 * H];
     for (int i = 0; i < 2 * H; i++) more[i] = uniform();
     segment_arg again[1] = {{0, 2, 5, CAPACITY, kv_a, kv_a + key_bytes}};
-    agentspec_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, HEAD_DIM, scaling, 0.5f, again, 1,
-                     key_half, value_half, 2);
+    CHECK(agentspec_layers(more, 2, H, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, layers, cos_ + 5 * HEAD_DIM, sin_ + 5 * HEAD_DIM, HEAD_DIM, scaling, 0.5f, again,
+                           1, key_half, value_half, 2) == 0,
+          "layers: a second pass refused");
     for (int i = 0; i < 2 * H; i++) CHECK(isfinite(more[i]), "layers: a second pass gave %g", more[i]);
     h = hash_bytes(h, more, sizeof(more));
     h = hash_bytes(h, kv_a, kv_bytes);
+    /* refused, with nothing written: a sequence past its block's capacity, a layer's blocks of an
+       unknown layout, a chain of parts whose outputs are not the product's, a head size attention
+       does not take, no threads */
+    float kept[2 * H];
+    char *kv_kept = malloc(kv_bytes);
+    memcpy(kept, more, sizeof(more)), memcpy(kv_kept, kv_a, kv_bytes);
+    segment_arg past_end[1] = {{0, 2, CAPACITY - 1, CAPACITY, kv_a, kv_a + key_bytes}};
+    layer_arg unknown[LAYERS], chained[LAYERS];
+    memcpy(unknown, layers, sizeof(layers)), memcpy(chained, layers, sizeof(layers));
+    unknown[1].down.kind = INTEGER_KIND + 999;
+    blocks_arg second = chained[0].o;
+    chained[0].o.outputs = H / 2, chained[0].o.next = &second, second.outputs = H / 2 + 1;
+    const float *cos5 = cos_ + 5 * HEAD_DIM, *sin5 = sin_ + 5 * HEAD_DIM;
+#define LAYERS_CALL(WEIGHTS, HEAD, SEGMENTS, THREADS) \
+    agentspec_layers(more, 2, H, HEADS, KV_HEADS, HEAD, MLP, LAYERS, WEIGHTS, cos5, sin5, HEAD_DIM, scaling, 0.5f, SEGMENTS, 1, key_half, value_half, THREADS)
+    CHECK(LAYERS_CALL(layers, HEAD_DIM, past_end, 2) == AGENTSPEC_BAD_ARGUMENT, "layers: a sequence past its block's capacity was not refused");
+    CHECK(LAYERS_CALL(unknown, HEAD_DIM, again, 2) == AGENTSPEC_UNKNOWN_LAYOUT, "layers: an unknown layout was not refused");
+    CHECK(LAYERS_CALL(chained, HEAD_DIM, again, 2) == AGENTSPEC_BAD_ARGUMENT, "layers: a chain of parts of too many outputs was not refused");
+    CHECK(LAYERS_CALL(layers, 8, again, 2) == AGENTSPEC_BAD_ARGUMENT, "layers: a head size of 8 was not refused");
+    CHECK(LAYERS_CALL(layers, HEAD_DIM, again, 0) == AGENTSPEC_BAD_ARGUMENT, "layers: no threads was not refused");
+#undef LAYERS_CALL
+    CHECK(memcmp(kept, more, sizeof(more)) == 0 && memcmp(kv_kept, kv_a, kv_bytes) == 0, "layers: a refused call wrote");
+    free(kv_kept);
     for (int l = 0; l < LAYERS; l++)
         for (int i = 0; i < 4; i++) free(products[l][i].few), free(products[l][i].many), free(weights[l][i].codes), free(weights[l][i].d), free(weights[l][i].m), free(weights[l][i].f), free(weights[l][i].s);
     free(kv_a), free(kv_b), free(kv_alone);
@@ -376,12 +404,34 @@ static uint64_t check_repack(int type) {
     CHECK(agentspec_gguf_by_lanes(rows, types, N, K, codes, mins, factored, halves, 2, out, NULL) == 0, "repack %d: by lanes", type);
     float x[M * K], y[M * N];
     for (int i = 0; i < M * K; i++) x[i] = uniform();
-    agentspec_int_product(((((codes * 2 + mins) * 2 + factored) * 2 + halves) * 2) + 1, x, M, K, out, y, N, 2);
+    CHECK(agentspec_int_product(((((codes * 2 + mins) * 2 + factored) * 2 + halves) * 2) + 1, x, M, K, out, y, N, 2) == 0, "repack %d: product", type);
     for (int i = 0; i < M * N; i++) CHECK(isfinite(y[i]), "repack %d: product %g", type, y[i]);
     uint64_t h = hash_bytes(0xcbf29ce484222325u, y, sizeof(y));
     h = hash_bytes(h, stats, sizeof(stats));
     free(raw), free(out);
     return h;
+}
+
+/* Products the kernels refuse, with nothing written: an unknown integer layout, counts they do not
+   take, and rows whose working memory no machine has (its size kept for agentspec_failed_bytes). */
+static void check_refusals(void) {
+    static float x[64], y[16];
+    static uint8_t w[4096];
+    for (int i = 0; i < 16; i++) y[i] = 7.0f;
+    const int q8_bytes = layout_number(Q8_0, 1);
+    CHECK(agentspec_int_product(999, x, 1, 64, w, y, 16, 1) == AGENTSPEC_UNKNOWN_LAYOUT, "layout 999 was not refused");
+    CHECK(agentspec_int_product(-1, x, 1, 64, w, y, 16, 1) == AGENTSPEC_UNKNOWN_LAYOUT, "layout -1 was not refused");
+    CHECK(agentspec_int_product(q8_bytes, x, 1, 48, w, y, 16, 1) == AGENTSPEC_BAD_ARGUMENT, "48 inputs were not refused");
+    CHECK(agentspec_q8_0_product(x, -1, 64, w, w, y, 16, 1) == AGENTSPEC_BAD_ARGUMENT, "-1 rows were not refused");
+    CHECK(agentspec_q8_0_product(x, 1, 64, w, NULL, y, 16, 1) == AGENTSPEC_BAD_ARGUMENT, "no blocks for many rows were not refused");
+    CHECK(agentspec_q4_1_product(x, 1, 64, w, w, y, 0, 1) == AGENTSPEC_BAD_ARGUMENT, "0 outputs were not refused");
+    CHECK(agentspec_int_product(q8_bytes, x, INT32_MAX, 1 << 30, w, y, 16, 1) == AGENTSPEC_NO_MEMORY && agentspec_failed_bytes() > ((size_t)1 << 40),
+          "rows of 2^30 inputs: not refused for memory (failed bytes %zu)", agentspec_failed_bytes());
+    for (int i = 0; i < 16; i++) CHECK(y[i] == 7.0f, "a refused product wrote y[%d]", i);
+    const uint8_t *rows[1] = {w};
+    int types[1] = {12}, stats[3]; /* Q4_K: rows of whole super-blocks of 256 */
+    CHECK(agentspec_gguf_statistics(rows, types, 1, 128, 1, stats) == AGENTSPEC_BAD_ARGUMENT, "a Q4_K row of 128 weights was not refused");
+    CHECK(agentspec_gguf_by_lanes(rows, types, 1, 256, 1, 2, 1, 0, 1, w, NULL) == AGENTSPEC_BAD_ARGUMENT, "minimums = 2 were not refused");
 }
 
 int main(void) {
@@ -402,6 +452,7 @@ int main(void) {
                    (unsigned long long)check_layers(activations, caches[c][0], caches[c][1]));
     const int gguf_types[8] = {2, 3, 6, 7, 8, 12, 13, 14}; /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K */
     for (int t = 0; t < 8; t++) printf("repack %d %016llx\n", gguf_types[t], (unsigned long long)check_repack(gguf_types[t]));
+    check_refusals();
     printf("%s\n", failures ? "FAILED" : "ok");
     return failures != 0;
 }

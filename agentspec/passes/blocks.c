@@ -501,6 +501,26 @@ __attribute__((target("arch=x86-64"))) int agentspec_cpu_runs_this(void) {
 
 const int agentspec_lanes = LANES; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */
 
+/* ==== Working memory ==============================================================================
+   Every buffer is taken before the work it serves starts, outside any parallel region; a request that
+   fails makes the call free what it took and return AGENTSPEC_NO_MEMORY (blocks.h) with nothing done,
+   its size kept for agentspec_failed_bytes. Sizes are products of the caller's counts, saturated
+   rather than wrapped, so a count too large for memory is a failed request, never a small buffer. */
+
+static _Thread_local size_t failed_bytes; /* the calling thread's last request that failed */
+
+size_t agentspec_failed_bytes(void) { return failed_bytes; }
+
+/* a * b, or SIZE_MAX where it does not fit */
+static size_t times(size_t a, size_t b) { return b && a > SIZE_MAX / b ? SIZE_MAX : a * b; }
+
+/* malloc(bytes) (at least one byte: a NULL is a failure), the size kept where it fails */
+static void *take(size_t bytes) {
+    void *p = bytes == SIZE_MAX ? NULL : malloc(bytes ? bytes : 1);
+    if (!p) failed_bytes = bytes;
+    return p;
+}
+
 /* EACH(ARGS..., n) for n = count (1..8; more: 8) as a compile-time constant, so that the code EACH
    expands to unrolls its loops over n and keeps its per-n arrays in registers. */
 #define BY_COUNT(count, EACH, ...)                                                                 \
@@ -628,21 +648,31 @@ INLINE void q8_1_tile(const float *x, const int rows, int K, const uint8_t *few,
         BY_COUNT(M - r0, CHUNK, TILE)                                                              \
     }
 
+/* Whether a product's counts and pointers are ones the kernels read (no rows: nothing to read). */
+static int product_arguments(const float *x, int M, int K, const void *w, const float *y, int N, int threads) {
+    return M >= 0 && K > 0 && K % 32 == 0 && N > 0 && threads >= 1 && (M == 0 || (x && w && y));
+}
+
+#define CHECKED_PRODUCT(TILE)                                                                      \
+    if (!product_arguments(x, M, K, few, y, N, threads) || (M && !many)) return AGENTSPEC_BAD_ARGUMENT; \
+    PRODUCT(TILE)                                                                                  \
+    return AGENTSPEC_OK;
+
 /* few, many: the blocks grouped by FEW and by MANY outputs (Blocks.grouped in layouts.py). */
-void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
-    PRODUCT(q4_1_tile)
+int agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    CHECKED_PRODUCT(q4_1_tile)
 }
 
-void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
-    PRODUCT(q8_0_tile)
+int agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    CHECKED_PRODUCT(q8_0_tile)
 }
 
-void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
-    PRODUCT(q8_16_tile)
+int agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    CHECKED_PRODUCT(q8_16_tile)
 }
 
-void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
-    PRODUCT(q8_1_tile)
+int agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads) {
+    CHECKED_PRODUCT(q8_1_tile)
 }
 
 /* ==== Products on 8- and 16-bit activations (weights="gguf-q8", "gguf-q16") =======================
@@ -960,14 +990,14 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
         if (USES_AMX(ROWS, HALVES)) AMX_RELEASE();                                                 \
     }
 
-/* One parallel region: the rows' blocks quantised (split over the threads), then each chunk of
-   ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
+/* One parallel region: the rows' blocks quantised into `rows` (taken by the caller: take_rows), then
+   each chunk of ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
 #define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                         \
     {                                                                                              \
         const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
         const long n = (long)M * nb;                                                               \
-        agentspec_q8_rows q = {malloc((size_t)n * ROW_BYTES(PLANES)), malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(int32_t) * n), \
-                               malloc(sizeof(int32_t) * n), M};                                    \
+        agentspec_q8_rows q = *rows;                                                               \
+        q.M = M;                                                                                   \
         _Pragma("omp parallel num_threads(threads)")                                               \
         {                                                                                          \
             _Pragma("omp for schedule(static)")                                                    \
@@ -977,30 +1007,70 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
                 BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                 \
             }                                                                                      \
         }                                                                                          \
-        free(q.codes); free(q.scale); free(q.scaled_sum); free(q.sum); free(q.half);               \
     }
+
+static void free_rows(agentspec_q8_rows *q) {
+    free(q->codes), free(q->scale), free(q->scaled_sum), free(q->sum), free(q->half);
+    *q = (agentspec_q8_rows){NULL, NULL, NULL, NULL, NULL, 0};
+}
+
+/* Room for the quantised blocks of up to M rows of K inputs in `planes` planes (freed by free_rows);
+   0 where it could not be taken (nothing kept: free_rows may still be called). */
+static int take_rows(agentspec_q8_rows *q, int M, int K, int planes) {
+    const size_t n = times((size_t)M, (size_t)(K / 32));
+    q->codes = take(times(n, ROW_BYTES(planes))), q->scale = take(times(n, sizeof(float))), q->scaled_sum = take(times(n, sizeof(float)));
+    q->sum = take(times(n, sizeof(int32_t))), q->half = take(times(n, sizeof(int32_t))), q->M = M;
+    if (q->codes && q->scale && q->scaled_sum && q->sum && q->half) return 1;
+    free_rows(q);
+    return 0;
+}
 
 /* An integer layout's number (layouts.py: IntegerLayout.number): its codes, minimums (0, 1), factored
    scales (0, 1), scales per half block (0, 1) and activation planes (1: "q8", 2: "q16"). */
 #define INT_LAYOUT(CODES, MINS, FACTORED, HALVES, PLANES) (((((CODES) * 2 + (MINS)) * 2 + (FACTORED)) * 2 + (HALVES)) * 2 + (PLANES) - 1)
+#define INT_PLANES(layout) (((layout) & 1) + 1)
+/* The layouts a GGUF file's blocks take (the others are refused: products.py never passes them) */
+#define INT_LAYOUTS(EACH)                                                                          \
+    EACH(CODES_BYTES, 0, 0, 0) /* Q8_0 */                                                          \
+    EACH(CODES_4BIT, 0, 0, 0)  /* Q4_0 */                                                          \
+    EACH(CODES_4BIT, 1, 0, 0)  /* Q4_1 */                                                          \
+    EACH(CODES_4BIT, 1, 1, 0)  /* Q4_K */                                                          \
+    EACH(CODES_5BIT, 0, 0, 0)  /* Q5_0 */                                                          \
+    EACH(CODES_5BIT, 1, 0, 0)  /* Q5_1 */                                                          \
+    EACH(CODES_5BIT, 1, 1, 0)  /* Q5_K */                                                          \
+    EACH(CODES_6BIT, 0, 1, 1)  /* Q6_K */
 #define INT_CASE(CODES, MINS, FACTORED, HALVES)                                                    \
     case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 1): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 1) break; \
     case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 2): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 2) break;
+#define KNOWN_CASE(CODES, MINS, FACTORED, HALVES)                                                  \
+    case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 1):                                             \
+    case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 2): return 1;
 
-/* x @ W.T on integer rows; w: the blocks as Blocks.by_lanes(agentspec_lanes) lays them out. The
-   layouts a GGUF file's blocks take (the others abort: products.py never passes them). */
-void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads) {
+static int int_layout_known(int layout) {
     switch (layout) {
-        INT_CASE(CODES_BYTES, 0, 0, 0) /* Q8_0 */
-        INT_CASE(CODES_4BIT, 0, 0, 0)  /* Q4_0 */
-        INT_CASE(CODES_4BIT, 1, 0, 0)  /* Q4_1 */
-        INT_CASE(CODES_4BIT, 1, 1, 0)  /* Q4_K */
-        INT_CASE(CODES_5BIT, 0, 0, 0)  /* Q5_0 */
-        INT_CASE(CODES_5BIT, 1, 0, 0)  /* Q5_1 */
-        INT_CASE(CODES_5BIT, 1, 1, 0)  /* Q5_K */
-        INT_CASE(CODES_6BIT, 0, 1, 1)  /* Q6_K */
-    default: abort();
+        INT_LAYOUTS(KNOWN_CASE)
+    default: return 0;
     }
+}
+
+/* x @ W.T on integer rows quantised into `rows` (room for M rows of K inputs); w: the blocks as
+   Blocks.by_lanes(agentspec_lanes) lays them out. */
+static int int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads, const agentspec_q8_rows *rows) {
+    switch (layout) {
+        INT_LAYOUTS(INT_CASE)
+    default: return AGENTSPEC_UNKNOWN_LAYOUT;
+    }
+    return AGENTSPEC_OK;
+}
+
+int agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads) {
+    if (!int_layout_known(layout)) return AGENTSPEC_UNKNOWN_LAYOUT;
+    if (!product_arguments(x, M, K, w, y, N, threads)) return AGENTSPEC_BAD_ARGUMENT;
+    agentspec_q8_rows rows;
+    if (!take_rows(&rows, M, K, INT_PLANES(layout))) return AGENTSPEC_NO_MEMORY;
+    const int status = int_product(layout, x, M, K, w, y, N, threads, &rows);
+    free_rows(&rows);
+    return status;
 }
 
 /* ==== The decoder layers of a Llama model in one call =============================================
@@ -1061,18 +1131,32 @@ INLINE v16 exp16(v16 x) {
 /* tanh(u) = 1 - 2 / (e^2u + 1), 16 lanes: -1 and 1 where e^2u saturates */
 INLINE v16 tanh16(v16 u) { return v16_sub(v16_set1(1.0f), v16_div(v16_set1(2.0f), v16_add(exp16(v16_add(u, u)), v16_set1(1.0f)))); }
 
-static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads) {
+/* Whether `w` is blocks the kernels read for a product of N outputs: each part of a known kind with its
+   blocks, and the parts' outputs adding up to N where there are several. */
+static int blocks_status(const agentspec_blocks *w, int N) {
+    long outputs = 0;
+    int parts = 0;
+    for (const agentspec_blocks *p = w; p; p = p->next) {
+        if (p->kind < 0 || (p->kind >= INTEGER_KIND && !int_layout_known(p->kind - INTEGER_KIND))) return AGENTSPEC_UNKNOWN_LAYOUT;
+        if (!p->few || (p->kind < INTEGER_KIND && !p->many) || ++parts > N) return AGENTSPEC_BAD_ARGUMENT; /* (a chain that loops runs out of outputs) */
+        if (w->next && p->outputs <= 0) return AGENTSPEC_BAD_ARGUMENT;
+        outputs += p->outputs;
+    }
+    return !w->next || outputs == N ? AGENTSPEC_OK : AGENTSPEC_BAD_ARGUMENT;
+}
+
+/* y = x @ W.T of M rows of K inputs (blocks_status said yes), with the caller's room for the parts of
+   a chain (`part`: M rows of N) and for integer rows (`rows`: M rows of K) */
+static void blocks_product(const agentspec_blocks *w, const float *x, int M, int K, float *y, int N, int threads, float *part, const agentspec_q8_rows *rows) {
     if (w->next) { /* parts of different kinds: each part's product, its outputs copied into their columns */
-        float *part = malloc(sizeof(float) * (size_t)M * N);
         int at = 0;
         for (const agentspec_blocks *p = w; p; p = p->next) {
             agentspec_blocks one = *p;
             one.next = NULL;
-            blocks_product(&one, x, M, K, part, p->outputs, threads);
+            blocks_product(&one, x, M, K, part, p->outputs, threads, NULL, rows);
             for (int m = 0; m < M; m++) memcpy(y + (size_t)m * N + at, part + (size_t)m * p->outputs, sizeof(float) * (size_t)p->outputs);
             at += p->outputs;
         }
-        free(part);
         return;
     }
     switch (w->kind) {
@@ -1080,7 +1164,7 @@ static void blocks_product(const agentspec_blocks *w, const float *x, int M, int
     case 1: agentspec_q8_0_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 2: agentspec_q8_16_product(x, M, K, w->few, w->many, y, N, threads); break;
     case 3: agentspec_q8_1_product(x, M, K, w->few, w->many, y, N, threads); break;
-    default: agentspec_int_product(w->kind - INTEGER_KIND, x, M, K, w->few, y, N, threads); break; /* integer rows */
+    default: int_product(w->kind - INTEGER_KIND, x, M, K, w->few, y, N, threads, rows); break; /* integer rows */
     }
 }
 
@@ -1243,41 +1327,90 @@ static void silu_times(const float *gate, const float *value, int n, float *act)
     }
 }
 
+/* Whether the layers' counts, sequences and weights are ones the kernels read (a status of blocks.h). */
+static int layers_status(const float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers,
+                         const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, const agentspec_segment *segments, int nseg,
+                         int threads) {
+    if (T < 0 || H <= 0 || H % 32 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim < 16 || head_dim > 128 || head_dim % 16 ||
+        intermediate <= 0 || intermediate % 32 || intermediate > INT32_MAX / 2 || layers < 0 || rotary_dim < 0 || rotary_dim > head_dim || rotary_dim % 2 ||
+        nseg < 0 || threads < 1)
+        return AGENTSPEC_BAD_ARGUMENT;
+    const long q_size = (long)heads * head_dim, width = q_size + 2L * kv_heads * head_dim; /* (head_dim <= 128: no overflow in a long) */
+    if (width > INT32_MAX || q_size % 32 || (T && !hidden) || (layers && !weights) || (nseg && !segments)) return AGENTSPEC_BAD_ARGUMENT;
+    for (int g = 0; g < nseg; g++) { /* each sequence's tokens in the pass, and its keys and values in its block */
+        const agentspec_segment *seg = segments + g;
+        if (seg->start < 0 || seg->start > seg->stop || seg->stop > T || seg->past < 0 || (long)seg->past + (seg->stop - seg->start) > seg->capacity ||
+            !seg->keys || !seg->values)
+            return AGENTSPEC_BAD_ARGUMENT;
+    }
+    for (int l = 0; l < layers; l++) {
+        const agentspec_layer *w = weights + l;
+        if (!w->norm1 || !w->norm2 || !w->q_norm != !w->k_norm || w->window < 0 || w->rotary < 0 || (w->rotary && (!rotary_dim || !cos || !sin)))
+            return AGENTSPEC_BAD_ARGUMENT;
+        const int status[4] = {blocks_status(&w->qkv, (int)width), blocks_status(&w->o, H), blocks_status(&w->gate_up, 2 * intermediate),
+                               blocks_status(&w->down, H)};
+        for (int i = 0; i < 4; i++)
+            if (status[i]) return status[i];
+    }
+    return AGENTSPEC_OK;
+}
+
 /* The decoder layers of a pass (arch.py's block; the embedding and the logits stay in Python): per
    layer RMSNorm, the q/k/v product (plus its bias), per-head q/k RMSNorm, the rotary embedding of the
    first `rotary_dim` elements of each head (cos, sin: [tables, T, rotary_dim], the layer's table),
    attention (within the layer's window, scores soft-capped where it caps them), the output product (RMSNorm'd where the layer has a post
    norm), the residual (times `residual_scale`), RMSNorm, gate/up, SiLU or GELU(gate) * up, down (its
-   post norm), the residual. */
-void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
-                      int layers, const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, float scaling,
-                      float residual_scale, const agentspec_segment *segments, int nseg, int key_half, int value_half, int threads) {
+   post norm), the residual. Counts, sequences and weights are checked (layers_status) and the working
+   memory taken before any work: a refused call changed nothing. */
+int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate,
+                     int layers, const agentspec_layer *weights, const float *cos, const float *sin, int rotary_dim, float scaling,
+                     float residual_scale, const agentspec_segment *segments, int nseg, int key_half, int value_half, int threads) {
+    const int status = layers_status(hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, segments, nseg, threads);
+    if (status) return status;
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     const int groups = heads / kv_heads, half = rotary_dim / 2;
     int longest = 0;
     for (int s = 0; s < nseg; s++)
         if (segments[s].past + segments[s].stop - segments[s].start > longest) longest = segments[s].past + segments[s].stop - segments[s].start;
-    float *normed = malloc(sizeof(float) * (size_t)T * (H > intermediate ? H : intermediate));
-    float *qkv = malloc(sizeof(float) * (size_t)T * width);
-    float *attn = malloc(sizeof(float) * (size_t)T * q_size);
-    float *up = malloc(sizeof(float) * (size_t)T * 2 * intermediate);
-    float *delta = malloc(sizeof(float) * (size_t)T * H);
+    /* the widest product whose blocks are a chain of parts (their outputs in turn), and whether any takes integer rows */
+    int chained = 0, integer = 0;
+    for (int l = 0; l < layers; l++) {
+        const agentspec_blocks *products[4] = {&weights[l].qkv, &weights[l].o, &weights[l].gate_up, &weights[l].down};
+        const int outputs[4] = {width, H, 2 * intermediate, H};
+        for (int i = 0; i < 4; i++) {
+            if (products[i]->next && outputs[i] > chained) chained = outputs[i];
+            for (const agentspec_blocks *p = products[i]; p; p = p->next) integer |= p->kind >= INTEGER_KIND;
+        }
+    }
+    const int widest = H > intermediate ? H : intermediate, inputs = widest > q_size ? widest : q_size; /* of the products' inputs */
+    float *normed = take(times(times((size_t)T, (size_t)widest), sizeof(float)));
+    float *qkv = take(times(times((size_t)T, (size_t)width), sizeof(float)));
+    float *attn = take(times(times((size_t)T, (size_t)q_size), sizeof(float)));
+    float *up = take(times(times((size_t)T, 2 * (size_t)intermediate), sizeof(float)));
+    float *delta = take(times(times((size_t)T, (size_t)H), sizeof(float)));
+    float *part = take(times(times((size_t)T, (size_t)chained), sizeof(float)));
+    agentspec_q8_rows rows = {NULL, NULL, NULL, NULL, NULL, 0};
+    const int have_rows = !integer || take_rows(&rows, T, inputs, 2);
     /* Attention's jobs: a run of up to `run` consecutive tokens of one sequence and one key/value head
        (a run's tokens share each read of the cache), runs short enough that the threads have about
        two jobs each; one token a run in layers with a window (each token's keys start elsewhere). */
-    const int workers = threads > 0 ? threads : 1, splits = (2 * workers + kv_heads - 1) / kv_heads;
+    const int workers = threads, splits = (2 * workers + kv_heads - 1) / kv_heads;
     int run = 1;
     for (int g = 0; g < nseg; g++) {
         const int tokens = segments[g].stop - segments[g].start, length = (tokens + splits - 1) / splits;
         run = length > run ? length : run;
     }
     /* each run's first token and sequence: at most one run a token */
-    int *run_first = malloc(sizeof(int) * (size_t)(T + 1)), *run_segment = malloc(sizeof(int) * (size_t)(T + 1));
-    float *scores = malloc(sizeof(float) * (size_t)workers * groups * run * (longest + 16));
+    int *run_first = take(times((size_t)T + 1, sizeof(int))), *run_segment = take(times((size_t)T + 1, sizeof(int)));
+    float *scores = take(times(times(times((size_t)workers, (size_t)groups), times((size_t)run, (size_t)longest + 16)), sizeof(float)));
+    if (!normed || !qkv || !attn || !up || !delta || !part || !have_rows || !run_first || !run_segment || !scores) {
+        free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
+        return AGENTSPEC_NO_MEMORY;
+    }
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;
         rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
-        blocks_product(&w->qkv, normed, T, H, qkv, width, threads);
+        blocks_product(&w->qkv, normed, T, H, qkv, width, threads, part, &rows);
         if (w->qkv_bias)
             for (int t = 0; t < T; t++)
                 for (int i = 0; i < width; i++) qkv[(size_t)t * width + i] += w->qkv_bias[i];
@@ -1334,19 +1467,20 @@ void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int 
                    scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * run * (longest + 16), longest + 16,
                    attn + (size_t)t0 * q_size + (size_t)kvh * groups * head_dim, q_size);
         }
-        blocks_product(&w->o, attn, T, q_size, delta, H, threads);
+        blocks_product(&w->o, attn, T, q_size, delta, H, threads, part, &rows);
         if (w->post_attention) rms_norm(delta, T, H, w->post_attention, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);
         rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
-        blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads);
+        blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads, part, &rows);
         for (int t = 0; t < T; t++)
             (w->gelu ? gelu_times : silu_times)(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate,
                                                 normed + (size_t)t * intermediate);
-        blocks_product(&w->down, normed, T, intermediate, delta, H, threads);
+        blocks_product(&w->down, normed, T, intermediate, delta, H, threads, part, &rows);
         if (w->post_mlp) rms_norm(delta, T, H, w->post_mlp, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);
     }
-    free(normed); free(qkv); free(attn); free(up); free(delta); free(scores); free(run_first); free(run_segment);
+    free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
+    return AGENTSPEC_OK;
 }
 
 /* ==== GGUF blocks into the integer products' layout ===============================================
@@ -1476,9 +1610,12 @@ static void gguf_read_block(const uint8_t *row, int type, int b, gguf_block *out
     }
 }
 
-static int gguf_known(const int *types, int n) {
+/* Whether rows[0..n) are rows of K weights of types this reads (K a whole number of their blocks), and
+   the call's other counts ones it takes. */
+static int gguf_known(const uint8_t *const *rows, const int *types, int n, int K, int threads) {
+    if (n <= 0 || K <= 0 || K % 32 || threads < 1 || !rows || !types) return 0;
     for (int i = 0; i < n; i++)
-        if (!gguf_block_bytes(types[i])) return 0;
+        if (!gguf_block_bytes(types[i]) || K % (32 * gguf_super(types[i])) || !rows[i]) return 0;
     return 1;
 }
 
@@ -1497,9 +1634,9 @@ static inline void block_statistics(const gguf_block *block, int type, int *fact
 
 /* The statistics of rows[0..n) that choose their integer layout (layouts.integer_layout_of):
    stats[0] = 1 where a scale or minimum is no float16 value, stats[1] and stats[2] the least and
-   largest code. -1 for a type this does not read, else 0. */
+   largest code. AGENTSPEC_BAD_ARGUMENT for a type or count this does not read, else 0. */
 int agentspec_gguf_statistics(const uint8_t *const *rows, const int *types, int n, int K, int threads, int stats[3]) {
-    if (n <= 0 || K % 32 || !gguf_known(types, n)) return -1;
+    if (!gguf_known(rows, types, n, K, threads) || !stats) return AGENTSPEC_BAD_ARGUMENT;
     const int blocks = K / 32;
     int factored = 0, low = INT32_MAX, high = INT32_MIN;
 #pragma omp parallel for num_threads(threads) reduction(| : factored) reduction(min : low) reduction(max : high) schedule(static)
@@ -1534,10 +1671,11 @@ static inline __attribute__((always_inline)) void lane_codes(const uint8_t u[32]
    [ceil(n / LANES), bytes a group] into `out`; and, where `stats` is not NULL, their statistics
    (agentspec_gguf_statistics: a run laid out in the layout of the runs before it says on the way
    whether it needs a wider one). A group's blocks are written in turn, each from its
-   LANES rows, so what is written stays in the cache. -1 where this does not read a type, else 0. */
+   LANES rows, so what is written stays in the cache. AGENTSPEC_BAD_ARGUMENT where this does not read
+   a type or count, else 0. */
 int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n, int K, int codes, int mins, int factored, int halves, int threads,
                             uint8_t *out, int *stats) {
-    if (n <= 0 || K % 32 || codes < 0 || codes > 3 || !gguf_known(types, n)) return -1;
+    if (!gguf_known(rows, types, n, K, threads) || codes < 0 || codes > 3 || (mins | factored | halves) & ~1 || !out) return AGENTSPEC_BAD_ARGUMENT;
     const int blocks = K / 32, groups = (n + LANES - 1) / LANES, registers = codes == 0 ? 8 : 3 + codes;
     const int offset = mins ? 0 : (int[]){128, 8, 16, 32}[codes], scales = halves ? 2 : 1;
     const size_t code_bytes = (size_t)registers * 4 * LANES;

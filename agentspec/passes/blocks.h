@@ -42,27 +42,35 @@ typedef struct {
 
 extern const int agentspec_lanes; /* outputs per group in the layout of the integer products (Blocks.by_lanes) */
 
+/* What the products and the layers return (levels.py raises ValueError or MemoryError for the others): */
+#define AGENTSPEC_OK 0
+#define AGENTSPEC_BAD_ARGUMENT (-1)   /* a count, size or pointer the kernels do not take: nothing done */
+#define AGENTSPEC_UNKNOWN_LAYOUT (-2) /* a block kind or integer layout number they do not have: nothing done */
+#define AGENTSPEC_NO_MEMORY (-3)      /* their working memory could not be taken: nothing done */
+
 /* Whether this CPU runs the level the library was built for (and, for AMX, Linux granted the tiles) */
 int agentspec_cpu_runs_this(void);
 /* sizeof agentspec_blocks, agentspec_layer and agentspec_segment, for levels.py's check */
 void agentspec_struct_sizes(size_t sizes[3]);
+/* the bytes of the calling thread's last request for working memory that failed (AGENTSPEC_NO_MEMORY) */
+size_t agentspec_failed_bytes(void);
 
 /* y[M, N] = x[M, K] @ W.T on float32 rows, W's blocks grouped for few and for many rows */
-void agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
-void agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+int agentspec_q4_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+int agentspec_q8_0_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+int agentspec_q8_16_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
+int agentspec_q8_1_product(const float *x, int M, int K, const void *few, const void *many, float *y, int N, int threads);
 /* the same on rows quantised to 8 or 16 bits, W's blocks by lanes in an integer layout (INT_LAYOUT) */
-void agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads);
+int agentspec_int_product(int layout, const float *x, int M, int K, const void *w, float *y, int N, int threads);
 /* rows of GGUF blocks (rows[i]: output i's, of ggml type types[i]) laid out for agentspec_int_product
    straight from the file's bytes (layouts.py: FileRun), and the statistics that choose the layout
-   (by_lanes finds them on the way where `stats` is not NULL); 0, or -1 for a type they do not read */
+   (by_lanes finds them on the way where `stats` is not NULL); 0, or -1 for a type or count they do not read */
 int agentspec_gguf_statistics(const uint8_t *const *rows, const int *types, int n, int K, int threads, int stats[3]);
 int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n, int K, int codes, int mins, int factored, int halves, int threads,
                             uint8_t *out, int *stats);
 /* the decoder layers of a pass over `T` tokens of `nseg` sequences (blocks.c says what each does) */
-void agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const agentspec_layer *weights,
-                      const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const agentspec_segment *segments,
-                      int nseg, int key_half, int value_half, int threads);
+int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int head_dim, int intermediate, int layers, const agentspec_layer *weights,
+                     const float *cos, const float *sin, int rotary_dim, float scaling, float residual_scale, const agentspec_segment *segments,
+                     int nseg, int key_half, int value_half, int threads);
 
 #endif

@@ -29,7 +29,7 @@ import torch
 from .arch import describe
 from .fused import FusedPass
 from .layouts import BLOCK_TYPES, GGUF_TYPES, INTEGER_ACTIVATIONS
-from .levels import INTEGER_KIND, BlocksArg, LayerArg, SegmentArg
+from .levels import INTEGER_KIND, BlocksArg, LayerArg, SegmentArg, address
 from .packed import Segment
 from .products import BlockProduct, GGUFBlocks, StackedProduct
 
@@ -53,7 +53,11 @@ def _blocks_arg(product: BlockProduct | StackedProduct, keep: list[BlocksArg]) -
             arg.next = ctypes.pointer(following)
         return first
     kind = BLOCK_TYPES.index(product.kind) if product.layout is None else INTEGER_KIND + product.layout.number(product.activations)
-    return BlocksArg(kind, product.few.data_ptr(), None if product.many is None else product.many.data_ptr(), product.outputs, None)
+    few, *many = product.blocks()
+    return BlocksArg(kind, few, many[0] if many else None, product.outputs, None)
+
+
+FLOAT32 = (torch.float32,)
 
 
 class BlockPass(FusedPass):
@@ -90,35 +94,43 @@ class BlockPass(FusedPass):
             raise NotImplementedError("the compiled layers take one epsilon for a layer's query and key norms")
         if any(layer.post_attention is not None and layer.post_attention.eps != layer.post_mlp.eps for layer in self.layers):
             raise NotImplementedError("the compiled layers take one epsilon for a layer's two post norms")
-        for layer in self.layers:  # the C side reads these tensors' memory directly
-            tensors = [layer.norm1.weight, layer.norm2.weight, *(t for t in (layer.qkv_bias,) if t is not None)]
-            tensors += [norm.weight for norm in (layer.q_norm, layer.k_norm, layer.post_attention, layer.post_mlp) if norm is not None]
-            assert all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors)
         self.function = blocks.kernels.agentspec_layers
         self.isa = blocks.kernels.isa  # the kernels' instruction-set level
         integer = blocks.activations in INTEGER_ACTIVATIONS
         self.kv_dtypes = (self.key_dtype(), torch.float16) if integer else (torch.float32, torch.float32)
         self.residual_scale = 1.0 if self.arch.residual_scale is None else self.arch.residual_scale
 
-        def pointer(tensor: torch.Tensor | None) -> int | None:
-            return None if tensor is None else tensor.data_ptr()
-
-        gelu = self.arch.activation == "gelu_pytorch_tanh"
+        self.hidden = self.norm.shape[-1]
         self._chains: list[BlocksArg] = []  # the later parts of stacked products, which the layers' arguments point at
+        self.layer_args = (LayerArg * len(self.layers))(*(self._layer_arg(index) for index in range(len(self.layers))))
 
-        self.layer_args = (LayerArg * len(self.layers))(
-            *(
-                LayerArg(
-                    layer.norm1.weight.data_ptr(), layer.norm2.weight.data_ptr(), layer.norm1.eps, layer.norm2.eps,
-                    *(_blocks_arg(product, self._chains) for product in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                    pointer(layer.qkv_bias), pointer(layer.q_norm and layer.q_norm.weight), pointer(layer.k_norm and layer.k_norm.weight),
-                    layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0,
-                    0 if layer.spec.rope is None else 1 + self.ropes.index(layer.spec.rope),  # 1 + its table's index in the stacked angles
-                    pointer(layer.post_attention and layer.post_attention.weight), pointer(layer.post_mlp and layer.post_mlp.weight),
-                    layer.post_attention.eps if layer.post_attention is not None else 0.0, gelu, self.arch.attention_softcap or 0.0,
-                )
-                for layer in self.layers
-            )
+    def _layer_arg(self, index: int) -> LayerArg:
+        """blocks.h's agentspec_layer of layer ``index``, each tensor and product checked to be as
+        large as the counts the layers declare to the C side (which reads them directly)."""
+        layer, hidden, head_dim, intermediate = self.layers[index], self.hidden, self.head_dim, self.intermediate
+        q_size = self.heads * head_dim
+        width = q_size + 2 * self.kv_heads * head_dim
+        shapes = {"qkv": (hidden, width), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate), "down": (intermediate, hidden)}
+        for name, (inputs, outputs) in shapes.items():
+            product = getattr(layer, name)
+            if (product.inputs, product.outputs) != (inputs, outputs):
+                raise ValueError(f"layer {index}'s {name} product is {product.inputs} inputs to {product.outputs} outputs; the layers take {inputs} to {outputs}")
+
+        def pointer(tensor: torch.Tensor | None, count: int, what: str) -> int | None:
+            return None if tensor is None else address(tensor, count, FLOAT32, f"layer {index}'s {what}")
+
+        def norm(module: Any, count: int, what: str) -> int | None:
+            return None if module is None else pointer(module.weight, count, what)
+
+        return LayerArg(
+            norm(layer.norm1, hidden, "input norm"), norm(layer.norm2, hidden, "MLP norm"), layer.norm1.eps, layer.norm2.eps,
+            *(_blocks_arg(getattr(layer, name), self._chains) for name in shapes),
+            pointer(layer.qkv_bias, width, "q/k/v bias"), norm(layer.q_norm, head_dim, "query norm"), norm(layer.k_norm, head_dim, "key norm"),
+            layer.q_norm.eps if layer.q_norm is not None else 0.0, layer.spec.window or 0,
+            0 if layer.spec.rope is None else 1 + self.ropes.index(layer.spec.rope),  # 1 + its table's index in the stacked angles
+            norm(layer.post_attention, hidden, "attention's post norm"), norm(layer.post_mlp, hidden, "MLP's post norm"),
+            layer.post_attention.eps if layer.post_attention is not None else 0.0, self.arch.activation == "gelu_pytorch_tanh",
+            self.arch.attention_softcap or 0.0,
         )
 
     def key_dtype(self) -> torch.dtype:
@@ -140,12 +152,31 @@ class BlockPass(FusedPass):
             shown = ", ".join(f"{k} keys with {v} values" for k, v in names)
             raise ValueError(f"the compiled layers take key/value blocks of one pair of dtypes (float32 or float16 each) per pass, not {shown}")
         key_dtype, value_dtype = next(iter(dtypes))
-        args = (SegmentArg * len(segments))(
-            *(SegmentArg(s.start, s.stop, s.past, s.block.capacity, s.block.keys.data_ptr(), s.block.values.data_ptr()) for s in segments)
-        )
+        tokens, rotary_dim = hidden.shape[0], cos.shape[-1]
+        if hidden.shape[1:] != (self.hidden,) or cos.shape != sin.shape or cos.shape[:2] != (len(tables), tokens):
+            raise ValueError(f"the compiled layers take hidden states [T, {self.hidden}] and rotary angles [{len(tables)}, T, dims], not {tuple(hidden.shape)}, {tuple(cos.shape)}")
+        angles = len(tables) * tokens * rotary_dim
+        args = (SegmentArg * len(segments))(*(self._segment_arg(s, tokens, key_dtype, value_dtype) for s in segments))
         self.function(
-            hidden.data_ptr(), hidden.shape[0], hidden.shape[1], self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            len(self.layers), self.layer_args, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], self.scaling, self.residual_scale,
+            address(hidden, tokens * self.hidden, FLOAT32, "the hidden states"), tokens, self.hidden, self.heads, self.kv_heads, self.head_dim,
+            self.intermediate, len(self.layers), self.layer_args, address(cos, angles, FLOAT32, "the rotary cosines"),
+            address(sin, angles, FLOAT32, "the rotary sines"), rotary_dim, self.scaling, self.residual_scale,
             args, len(segments), key_dtype == torch.float16, value_dtype == torch.float16, torch.get_num_threads(),
         )
         return hidden
+
+    def _segment_arg(self, segment: Segment, tokens: int, key_dtype: torch.dtype, value_dtype: torch.dtype) -> SegmentArg:
+        """blocks.h's agentspec_segment of ``segment`` in a pass of ``tokens``: its tokens within the
+        pass's, its new keys and values within its block's capacity, the block of the layers' shape."""
+        block = segment.block
+        capacity = block.capacity
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        if not 0 <= segment.start <= segment.stop <= tokens or segment.past < 0 or segment.past + segment.stop - segment.start > capacity:
+            raise ValueError(
+                f"a sequence's tokens {segment.start}..{segment.stop} of a pass of {tokens}, after {segment.past}, do not fit its block of {capacity}"
+            )
+        if tuple(block.keys.shape) != shape or tuple(block.values.shape) != shape:
+            raise ValueError(f"a sequence's keys and values are {tuple(block.keys.shape)}, {tuple(block.values.shape)}; the compiled layers take {shape}")
+        size = len(self.layers) * self.kv_heads * capacity * self.head_dim
+        keys, values = address(block.keys, size, (key_dtype,), "a sequence's keys"), address(block.values, size, (value_dtype,), "a sequence's values")
+        return SegmentArg(segment.start, segment.stop, segment.past, capacity, keys, values)

@@ -20,10 +20,12 @@ import numpy as np
 import torch
 
 from ..gguf import GGML_TYPES, GGUFTensor
+from .levels import address
 
 __all__ = [
     "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
     "READ_AS", "IntegerLayout", "integer_layout_of", "Blocks", "tensor_blocks", "FileBlocks", "FileRun", "Part", "rotary_order", "unpermuted", "by_runs", "by_lanes_of_runs",
+    "layout_bytes",
 ]
 
 BLOCK = 32  # weights per block, both types
@@ -32,6 +34,9 @@ GROUPS = (8, 4)  # outputs whose blocks are stored together: for products of 1-2
 # (signed bytes, a scale), Q8_16 (signed bytes, a scale per 16) and Q8_1 (unsigned bytes, a scale and
 # a minimum). The integer products take each in as many bits as its codes need (IntegerLayout).
 BLOCK_TYPES = ("Q4_1", "Q8_0", "Q8_16", "Q8_1")
+# Bytes of one output's block in ``Blocks.grouped``: its codes, then its float32 scales (and minimum)
+# (blocks.c: Q4_1_BYTES(1) ...)
+GROUPED_BYTES = {"Q4_1": 16 + 8, "Q8_0": 32 + 4, "Q8_16": 32 + 8, "Q8_1": 32 + 8}
 # The GGUF types read into them, each weight exactly as the GGUF reader dequantises it: (weights per
 # block, bytes per block). Q4_0 and Q5_0 become Q8_0 (code - 8 or - 16, the block's scale); Q4_K
 # becomes Q4_1 (per 32 weights: the super-block's scale times the 6-bit scale, minus its minimum
@@ -403,6 +408,11 @@ class FileRun:
         self.kernels, self.pieces = kernels, list(pieces)
         first = self.pieces[0][0]
         self.kind, self.inputs = first.kind, first.shape[1]
+        for part, start, stop in self.pieces:  # the kernels read `inputs` weights of each row where its address says
+            weights, size = GGUF_TYPES[part.tensor.type_name]
+            data = part.tensor.data
+            if part.shape[1] != self.inputs or self.inputs % weights or data.ndim != 2 or data.shape[1] < self.inputs // weights * size or not 0 <= start <= stop <= data.shape[0]:
+                raise ValueError(f"{part.tensor.name}: rows {start}..{stop} of {self.inputs} {part.tensor.type_name} weights are not in its data {data.shape}")
         self.addresses = np.ascontiguousarray(np.concatenate([part.row_addresses(start, stop) for part, start, stop in self.pieces]))
         self.types = np.concatenate([np.full(stop - start, GGML_NUMBERS[part.tensor.type_name], np.int32) for part, start, stop in self.pieces])
         self.has_factors = all(part.tensor.type_name in _K_QUANTS for part, _, _ in self.pieces)
@@ -415,9 +425,13 @@ class FileRun:
         """As ``Blocks.code_statistics`` (Q4_1's codes compared unpacked: ``integer_layout_of`` does
         not look at them)."""
         stats = (ctypes.c_int * 3)()
-        if self.kernels.agentspec_gguf_statistics(self.addresses.ctypes.data, self.types.ctypes.data, self.outputs, self.inputs, torch.get_num_threads(), stats):
+        if self.kernels.agentspec_gguf_statistics(*self._rows(), self.outputs, self.inputs, torch.get_num_threads(), stats):
             raise ValueError("the kernels' repacker does not read these blocks")
         return bool(stats[0]), stats[1], stats[2]
+
+    def _rows(self) -> tuple[int, int]:
+        """The addresses of the rows' addresses and of their types, for the kernels."""
+        return address(self.addresses, self.outputs, (np.uint64,), "the rows' addresses"), address(self.types, self.outputs, (np.int32,), "the rows' types")
 
     def by_lanes(self, lanes: int, layout: IntegerLayout, into: torch.Tensor | None = None) -> torch.Tensor:
         """``Blocks.by_lanes(lanes, layout)`` of these outputs, from the file's bytes (written ``into``
@@ -439,8 +453,8 @@ class FileRun:
         out = torch.empty(groups, size, dtype=torch.uint8) if into is None else into.view(groups, size)
         codes = INTEGER_CODES.index(layout.codes)
         if self.kernels.agentspec_gguf_by_lanes(
-            self.addresses.ctypes.data, self.types.ctypes.data, self.outputs, self.inputs, codes, layout.mins, layout.factored, layout.halves,
-            torch.get_num_threads(), out.data_ptr(), stats,
+            *self._rows(), self.outputs, self.inputs, codes, layout.mins, layout.factored, layout.halves,
+            torch.get_num_threads(), address(out, groups * size, (torch.uint8,), "a run's layout"), stats,
         ):
             raise ValueError("the kernels' repacker does not read these blocks")
         for part, start, stop in self.pieces:
@@ -450,6 +464,13 @@ class FileRun:
         if not layout.factored:
             return out.view(out.shape[0], -(-self.inputs // BLOCK), -1)  # [groups, blocks, bytes per block], as Blocks.by_lanes
         return out
+
+
+def layout_bytes(kind: str, outputs: int, inputs: int, group: int, layout: IntegerLayout | None = None) -> int:
+    """Bytes of ``outputs`` x ``inputs`` weights of ``kind`` as the kernels read them:
+    ``Blocks.grouped(group)``, or with an integer ``layout``, ``Blocks.by_lanes(group, layout)``."""
+    groups = -(-outputs // group)
+    return groups * (inputs // BLOCK * group * GROUPED_BYTES[kind] if layout is None else _group_bytes(kind, inputs, group, layout))
 
 
 def _group_bytes(kind: str, inputs: int, lanes: int, layout: IntegerLayout) -> int:

@@ -15,6 +15,13 @@ does so always (a developer's override: tuned for this CPU), ``=packaged`` never
 ``$AGENTSPEC_KERNELS_DIR`` names another folder of prebuilt libraries (a distributor's, the tests'). Where no level runs
 there are no kernels, and ``kernels_or_reason`` says why. ``BlocksArg``, ``LayerArg`` and ``SegmentArg``
 mirror ``blocks.h``'s structures; a library whose structures differ in size is refused.
+
+The boundary: C cannot see how large a buffer is, so every caller passes its tensors through
+``address``, which refuses (``ValueError``) one that is not contiguous on the CPU, of the dtype the
+kernels read and at least as large as the counts it declares. The products and the layers check
+their counts themselves and return a status instead of stopping the process: ``ValueError`` for
+counts or a layout they do not take, ``MemoryError`` (naming the bytes asked for) where their working
+memory could not be allocated; a refused call changed nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 from ..model import cache_dir
 from .isa import (
@@ -40,7 +51,7 @@ from .isa import (
 
 __all__ = [
     "KERNEL_SOURCE", "KERNEL_HEADER", "PRODUCT_SYMBOLS", "LEVELS", "LEVEL_NAMES", "ISA_VARIABLE", "KERNELS_VARIABLE", "FOLDER_VARIABLE", "INTEGER_KIND", "Level",
-    "BlocksArg", "LayerArg", "SegmentArg", "block_kernels", "kernels_or_reason", "isa_levels", "kernel_flags",
+    "BlocksArg", "LayerArg", "SegmentArg", "block_kernels", "kernels_or_reason", "isa_levels", "kernel_flags", "address",
 ]
 
 log = logging.getLogger("agentspec.engine")
@@ -52,6 +63,18 @@ ISA_VARIABLE = "AGENTSPEC_ISA"
 KERNELS_VARIABLE = "AGENTSPEC_KERNELS"  # "compile": build them with $CC here; "packaged": only the package's
 FOLDER_VARIABLE = "AGENTSPEC_KERNELS_DIR"  # the prebuilt libraries and their manifest, if not the package's
 _compile_lock = threading.Lock()
+# blocks.h: what the products and the layers return besides AGENTSPEC_OK (0)
+BAD_ARGUMENT, UNKNOWN_LAYOUT, NO_MEMORY = -1, -2, -3
+# the arguments of the functions that return a status, by name (the counts among them name a refused call)
+_ARGUMENTS = {
+    **{symbol: ("x", "M", "K", "few", "many", "y", "N", "threads") for symbol in PRODUCT_SYMBOLS.values()},
+    "agentspec_int_product": ("layout", "x", "M", "K", "w", "y", "N", "threads"),
+    "agentspec_layers": (
+        "hidden", "T", "H", "heads", "kv_heads", "head_dim", "intermediate", "layers", "weights", "cos", "sin", "rotary_dim", "scaling",
+        "residual_scale", "segments", "nseg", "key_half", "value_half", "threads",
+    ),
+}
+_POINTERS = {"x", "few", "many", "y", "w", "hidden", "weights", "cos", "sin", "segments"}
 
 
 def _compiler() -> str | None:
@@ -83,6 +106,40 @@ class SegmentArg(ctypes.Structure):
         ("start", ctypes.c_int), ("stop", ctypes.c_int), ("past", ctypes.c_int), ("capacity", ctypes.c_int),
         ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
     ]
+
+
+def address(array: torch.Tensor | np.ndarray, count: int, dtypes: tuple[Any, ...], what: str) -> int:
+    """The address of ``array``'s memory, which the kernels read as ``count`` elements of one of
+    ``dtypes``: ``ValueError`` naming ``what`` (before anything is called) unless it is one contiguous
+    run on the CPU of at least that many such elements."""
+    if isinstance(array, np.ndarray):
+        dtype, size, contiguous, device = array.dtype, array.size, array.flags.c_contiguous, "cpu"
+    else:
+        dtype, size, contiguous, device = array.dtype, array.numel(), array.is_contiguous(), array.device.type
+    if dtype not in dtypes or not contiguous or device != "cpu" or size < count:
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        found = f"{size} {str(dtype).removeprefix('torch.')} elements{'' if contiguous else ', not contiguous'} on {device}"
+        raise ValueError(f"{what}: the kernels read {count} {wanted} elements in one contiguous run on the CPU from it, and it is {found}")
+    return array.ctypes.data if isinstance(array, np.ndarray) else array.data_ptr()
+
+
+def _status(failed_bytes: Any, result: int, function: Any, arguments: tuple) -> int:
+    """A product's or the layers' status as an exception (ctypes' ``errcheck``, called in the thread
+    that made the call, so ``failed_bytes``, the library's ``agentspec_failed_bytes``, is that call's)."""
+    if result == 0:
+        return result
+    name = function.__name__
+    counts = ", ".join(f"{n}={a}" for n, a in zip(_ARGUMENTS[name], arguments) if n not in _POINTERS and not isinstance(a, float))
+    if result == NO_MEMORY:
+        asked = failed_bytes()
+        raise MemoryError(f"{name}({counts}) could not allocate {asked:,} bytes of working memory; a call of fewer rows or tokens takes less")
+    if result == UNKNOWN_LAYOUT:
+        if name == "agentspec_layers":
+            layers = arguments[8][: arguments[7]]
+            kinds = sorted({getattr(layer, p).kind for layer in layers for p in ("qkv", "o", "gate_up", "down")})
+            raise ValueError(f"{name}({counts}): a layer's blocks are of a kind the kernels do not have (kinds {kinds}; {INTEGER_KIND} + an integer layout's number)")
+        raise ValueError(f"{name}: the kernels have no integer layout numbered {arguments[0]} (layouts.py: IntegerLayout.number)")
+    raise ValueError(f"{name}({counts}): the kernels refused these counts (or a sequence, a chain of blocks or a pointer they describe)")
 
 
 @functools.cache
@@ -237,12 +294,11 @@ def _loaded(level: Level, library: Path) -> ctypes.CDLL | str:
     if tuple(sizes) != mirrored:  # never pass structures the library would read past
         return f"{name}: the kernels' structures (blocks.h: {tuple(sizes)} bytes) are not levels.py's ({mirrored}); rebuild them from this version"
     pointer, integer = ctypes.c_void_p, ctypes.c_int
+    kernels.agentspec_failed_bytes.argtypes, kernels.agentspec_failed_bytes.restype = [], ctypes.c_size_t
     for symbol in PRODUCT_SYMBOLS.values():  # (x, M, K, blocks grouped for few rows, for many, y, N, threads)
         getattr(kernels, symbol).argtypes = [pointer, integer, integer, pointer, pointer, pointer, integer, integer]
-        getattr(kernels, symbol).restype = None
     # (layout, x, M, K, blocks by lanes, y, N, threads)
     kernels.agentspec_int_product.argtypes = [integer, pointer, integer, integer, pointer, pointer, integer, integer]
-    kernels.agentspec_int_product.restype = None
     # (row addresses, ggml types, outputs, inputs, [codes, mins, factored, halves,] threads, [out,] stats or NULL): 0, or -1 for a type it does not read
     kernels.agentspec_gguf_statistics.argtypes = [pointer, pointer, integer, integer, integer, pointer]
     kernels.agentspec_gguf_by_lanes.argtypes = [pointer, pointer, integer, integer, integer, integer, integer, integer, integer, pointer, pointer]
@@ -253,7 +309,9 @@ def _loaded(level: Level, library: Path) -> ctypes.CDLL | str:
         pointer, *[integer] * 7, ctypes.POINTER(LayerArg), pointer, pointer, integer, ctypes.c_float, ctypes.c_float,
         ctypes.POINTER(SegmentArg), integer, integer, integer, integer,
     ]
-    kernels.agentspec_layers.restype = None
+    for symbol in _ARGUMENTS:  # a status, raised as an exception
+        function = getattr(kernels, symbol)
+        function.restype, function.errcheck = integer, functools.partial(_status, kernels.agentspec_failed_bytes)
     kernels.isa = name
     kernels.path = library
     kernels.lanes = ctypes.c_int.in_dll(kernels, "agentspec_lanes").value

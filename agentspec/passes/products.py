@@ -25,10 +25,10 @@ from ..gguf.modules import FLOAT_TYPES, weights_on_meta
 from .arch import GGUF_PROJECTIONS, describe
 from .fused import Linear, LinearFactory, fused_unsupported
 from .layouts import (
-    ACTIVATIONS, GGUF_TYPES, GROUPS, INTEGER_ACTIVATIONS, Blocks, FileBlocks, IntegerLayout, Part, by_lanes_of_runs, by_runs,
+    ACTIVATIONS, GGUF_TYPES, GROUPS, INTEGER_ACTIVATIONS, Blocks, FileBlocks, IntegerLayout, Part, by_lanes_of_runs, by_runs, layout_bytes,
     tensor_blocks, unpermuted,
 )
-from .levels import PRODUCT_SYMBOLS, block_kernels, kernels_or_reason
+from .levels import PRODUCT_SYMBOLS, address, block_kernels, kernels_or_reason
 
 __all__ = ["GGUFBlocks", "read_blocks", "BlockProduct", "StackedProduct", "block_product", "blocks_unsupported"]
 
@@ -221,20 +221,32 @@ class BlockProduct:
             self.few, self.many = (by_runs(parts, group, lambda run, group=group: run.grouped(group)) for group in GROUPS)
             self.function = getattr(kernels, PRODUCT_SYMBOLS[self.kind])
         self.outputs, self.inputs = sum(part.shape[0] for part in parts), parts[0].shape[1]
+        # the bytes of the blocks the kernels read for these outputs and inputs: few's (and many's)
+        if self.layout is not None:
+            self.block_bytes = (layout_bytes(self.kind, self.outputs, self.inputs, kernels.lanes, self.layout),)
+        else:
+            self.block_bytes = tuple(layout_bytes(self.kind, self.outputs, self.inputs, group) for group in GROUPS)
 
     @property
     def nbytes(self) -> int:
         """Bytes a product of one row streams: its blocks as the kernels read them (``few``)."""
         return self.few.nbytes
 
+    def blocks(self) -> list[int]:
+        """The addresses of the blocks (``few``, and ``many`` on float32 rows), each checked to hold
+        what the kernels read for these outputs and inputs."""
+        laid_out = [self.few] if self.many is None else [self.few, self.many]
+        return [address(blocks, size, (torch.uint8,), "the product's blocks") for blocks, size in zip(laid_out, self.block_bytes)]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         inputs, outputs = self.inputs, self.outputs
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != inputs:
             raise ValueError(f"the block product takes float32 CPU rows of {inputs}, not {x.dtype} {tuple(x.shape)} on {x.device}")
         rows = x.reshape(-1, inputs).contiguous()
-        out = torch.empty(rows.shape[0], outputs)
-        blocks = (self.few.data_ptr(),) if self.many is None else (self.few.data_ptr(), self.many.data_ptr())
-        self.function(rows.data_ptr(), rows.shape[0], inputs, *blocks, out.data_ptr(), outputs, torch.get_num_threads())
+        count = rows.shape[0]
+        out = torch.empty(count, outputs)
+        x_at, y_at = address(rows, count * inputs, (torch.float32,), "the product's rows"), address(out, count * outputs, (torch.float32,), "its outputs")
+        self.function(x_at, count, inputs, *self.blocks(), y_at, outputs, torch.get_num_threads())
         return out.reshape(*x.shape[:-1], outputs)
 
 
