@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,6 +30,7 @@ from agentspec.types import SpecConfig
 
 from .conftest import decode
 from .test_families import family_model, write_gguf
+from .test_load_memory import load_in_a_process
 
 # SmolLM2-135M's width, heads and vocabulary (the default model's), 4 layers: a ~20 MB file
 DRAFT_SHAPE = Shape("llama", 576, 4, 9, 3, 1536, 49152, tied=True, rope_base=100000.0, eps=1e-5, context=8192)
@@ -176,21 +173,6 @@ async def test_a_draft_of_another_vocabulary_is_refused_at_start(loaded, engine,
         await agentspec.Client(draft=str(other)).start()
 
 
-LOAD = """
-import asyncio, json, sys
-def peak():
-    return int(next(line for line in open('/proc/self/status') if line.startswith('VmHWM')).split()[1]) * 1024
-import agentspec
-before = peak()
-async def main():
-    async with agentspec.Client(draft=sys.argv[1]) as client:
-        done = await client.generate([{'role': 'user', 'content': 'Say something.'}], max_tokens=8)
-        return type(client.draft_sources.draft_model).__name__, len(done.token_ids)
-kind, tokens = asyncio.run(main())
-print(json.dumps({'before': before, 'after': peak(), 'draft': kind, 'tokens': tokens}))
-"""
-
-
 def test_a_gguf_draft_holds_about_its_file(tmp_path):
     """``Client(draft=<the default model's file>)`` in a fresh process with an empty model cache: its
     peak resident memory grows by at most 1.25 times the two files (target and draft) plus 300 MB
@@ -199,11 +181,8 @@ def test_a_gguf_draft_holds_about_its_file(tmp_path):
     kernels = cache_dir("kernels")
     if kernels is not None and kernels.is_dir():  # the session's compiled kernels: the subprocess need not build them again
         shutil.copytree(kernels, tmp_path / "kernels")
-    env = {**os.environ, "AGENTSPEC_CACHE_DIR": str(tmp_path)}
     path = default_model_path()
-    done = subprocess.run([sys.executable, "-c", LOAD, str(path)], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = load_in_a_process(tmp_path, draft=str(path))
     assert run["draft"] == "PassDraft" and run["tokens"] > 0, run
     grown, files = run["after"] - run["before"], 2 * path.stat().st_size
     assert grown < 1.25 * files + 300 * 2**20, (grown, files)
