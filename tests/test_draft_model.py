@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentspec.drafting.draft_models import EarlyExitModel, ModuleDraft, early_exit_drafter
+from agentspec.drafting.draft_models import EarlyExitModel, ModuleDraft, PassDraft, early_exit_drafter, early_exit_model
 from agentspec.drafting.model import ModelDrafter, check_vocab_compatible
 from agentspec.engine import Engine
 from agentspec.errors import ModelLoadError
@@ -327,14 +327,19 @@ def test_early_exit_logits_equal_a_truncated_model(four_layers):
     assert cache.get_seq_length() == 10
 
 
+@pytest.mark.parametrize("on", ["modules", "fused pass"])
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_early_exit_greedy_equals_plain(four_layers, n):
-    plain = Engine(four_layers, drafter_factory=lambda p: None)
+def test_early_exit_greedy_equals_plain(four_layers, n, on):
+    """On transformers' modules (no target pass given), or on the target's fused pass cut after n layers."""
+    plain = Engine(four_layers, drafter_factory=lambda p: None, weights="fused")
+    target = plain.forward if on == "fused pass" else None
+    assert isinstance(early_exit_model(four_layers, n, target), PassDraft if target else ModuleDraft)
     engine = Engine(
         four_layers,
         drafter_factory=lambda p: early_exit_drafter(
-            four_layers, n, p, min_confidence=0.0
+            four_layers, n, p, target=target, min_confidence=0.0
         ),
+        weights="fused",
     )
     for k in (1, 3, 6):
         for prompt in PROMPTS:

@@ -120,7 +120,7 @@ def early_exit_model(loaded: Any, layers: int, target: PassFunction | None = Non
     (a GGUF file's block pass, or a fused pass), that pass cut after ``layers`` layers
     (``FusedPass.first_layers``: its weights shared, none read or converted); otherwise
     transformers' modules of the float model (``EarlyExitModel``; for a GGUF file, dequantised).
-    ``ModelLoadError`` for a layer count outside 1..layers - 1."""
+    ``ModelLoadError`` unless ``layers`` keeps at least one layer and drops at least one."""
     if isinstance(target, FusedPass):
         _check_exit_layers(layers, len(target.layers))
         try:
