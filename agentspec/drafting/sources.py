@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError, ModelLoadError
 from ..params import GenerationParams
@@ -28,6 +28,9 @@ from .draft_models import DraftModel, early_exit_model, file_draft_model
 from .model import ModelDrafter, check_vocab_compatible
 from .ngram import ngram_drafter
 from .suffix import SuffixCache, SuffixDrafter
+
+if TYPE_CHECKING:
+    from ..passes.packed import PassFunction
 
 __all__ = ["DraftSources", "check_draft_reference"]
 
@@ -59,7 +62,7 @@ class DraftSources:
     ``target``: the target's pass (``Engine.forward``), which an early exit of a GGUF target runs
     the first layers of."""
 
-    def __init__(self, loaded: Any, draft: str | None, costs: Any, *, target: Any = None, device: Any = "auto", dtype: Any = "auto") -> None:
+    def __init__(self, loaded: Any, draft: str | None, costs: Any, *, target: PassFunction | None = None, device: Any = "auto", dtype: Any = "auto") -> None:
         self.loaded = loaded
         self.costs = costs
         self.suffixes = SuffixCache()  # requests without a cache_salt (every request of an embedded client)
