@@ -9,8 +9,8 @@ reader checks and maps it, the configuration and tokenizer come from its metadat
 the file's float tensors in it (norms, biases; ``gguf/modules.py``) — the block passes multiply the
 file's own blocks. No float32 copy of the weights is made unless something asks for one:
 ``LoadedModel.model``, the model as transformers computes it (the reference of the tests and the
-bench's baselines, draft models of their own, passes on float32 weights by name), dequantises the
-file through transformers on first use.
+bench's baselines, passes on float32 weights by name), dequantises the file through transformers on
+first use. Such a file as a draft model runs on its block pass too (``drafting/draft_models.py``).
 
 That float32 model is slow to read from a GGUF file (transformers parses the file's metadata three
 times; the dequantising is the small part), so its first load writes it as a safetensors snapshot

@@ -9,6 +9,7 @@ from agentspec.engine.lengths import CostModel
 from agentspec.drafting import NgramDrafter
 from agentspec.drafting.arbiter import ArbiterDrafter, SourceHistory
 from agentspec.drafting.base import Draft
+from agentspec.drafting.draft_models import ModuleDraft
 from agentspec.drafting.model import ModelDrafter
 from agentspec.engine import Engine
 from agentspec.params import GenerationParams
@@ -168,7 +169,7 @@ def tiny_pair(loaded):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     target = tiny_model(loaded, seed=0)
-    yield target, Distorted(target.model, 0.3)
+    yield target, ModuleDraft(Distorted(target.model, 0.3), target.device)
     torch.set_num_threads(threads)
 
 

@@ -16,12 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentspec.drafting.model import (
-    EarlyExitModel,
-    ModelDrafter,
-    check_vocab_compatible,
-    early_exit_drafter,
-)
+from agentspec.drafting.draft_models import EarlyExitModel, ModuleDraft, PassDraft, early_exit_drafter, early_exit_model
+from agentspec.drafting.model import ModelDrafter, check_vocab_compatible
 from agentspec.engine import Engine
 from agentspec.errors import ModelLoadError
 from agentspec.params import GenerationParams
@@ -113,7 +109,7 @@ def model_engine(target, draft, **options) -> Engine:
     return Engine(
         target,
         drafter_factory=lambda p: CheckedDrafter(
-            draft.model, p, target.vocab_size, target.device, **options
+            ModuleDraft(draft.model, target.device), p, target.vocab_size, target.device, **options
         ),
     )
 
@@ -164,7 +160,7 @@ def test_penalty_and_after_tokens_keep_greedy_output(target, drafts):
     )  # same penalty → same argmax
 
     drafter = CheckedDrafter(
-        drafts["same"].model,
+        ModuleDraft(drafts["same"].model, target.device),
         greedy(4),
         target.vocab_size,
         target.device,
@@ -245,7 +241,7 @@ def test_an_uncoupled_draft_keeps_the_output_but_loses_acceptance(target, drafts
     """Drawing the draft with other noise is still lossless (a draft token is kept only where it
     equals the target's draw), but even the target's own model then agrees only by chance."""
     plain = Engine(target, drafter_factory=lambda p: None)
-    engine = Engine(target, drafter_factory=lambda p: UncoupledDrafter(drafts["same"].model, p, target.vocab_size, target.device, min_confidence=0.0))
+    engine = Engine(target, drafter_factory=lambda p: UncoupledDrafter(ModuleDraft(drafts["same"].model, target.device), p, target.vocab_size, target.device, min_confidence=0.0))
     drafted = accepted = 0
     for seed in SEEDS:
         expected, _ = decode(plain, PROMPTS[0], sampling(seed, 0))
@@ -258,7 +254,7 @@ def test_an_uncoupled_draft_keeps_the_output_but_loses_acceptance(target, drafts
 
 def test_model_drafting_sampling_matches_the_exact_law(tiny, exact):
     law, _ = exact
-    draft = Distorted(tiny.model, 0.3)
+    draft = ModuleDraft(Distorted(tiny.model, 0.3), tiny.device)
     make = lambda p: ModelDrafter(draft, p, tiny.vocab_size, tiny.device, min_confidence=0.0)
     outcomes, drafted, accepted = sample_with(tiny, make, RUNS, seed_offset=0)
     assert drafted == RUNS and 0.2 * RUNS < accepted < 0.95 * RUNS  # both verification paths occur
@@ -272,7 +268,7 @@ def test_grammar_tokens_then_a_model_draft_equal_plain_sampling(tiny, loaded):
     commits what plain sampling under the same grammar and seed commits."""
     grammar = loaded.grammars.compile({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
     plain = Engine(tiny, drafter_factory=lambda p: None)
-    engine = Engine(tiny, drafter_factory=lambda p: ModelDrafter(Distorted(tiny.model, 0.3), p, tiny.vocab_size, tiny.device, min_confidence=0.0))
+    engine = Engine(tiny, drafter_factory=lambda p: ModelDrafter(ModuleDraft(Distorted(tiny.model, 0.3), tiny.device), p, tiny.vocab_size, tiny.device, min_confidence=0.0))
     from_model = 0
     for seed in range(6):
         expected, _ = decode(plain, PROMPT, sampling(seed, 0, top_k=3), grammar=grammar)
@@ -331,14 +327,19 @@ def test_early_exit_logits_equal_a_truncated_model(four_layers):
     assert cache.get_seq_length() == 10
 
 
+@pytest.mark.parametrize("on", ["modules", "fused pass"])
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_early_exit_greedy_equals_plain(four_layers, n):
-    plain = Engine(four_layers, drafter_factory=lambda p: None)
+def test_early_exit_greedy_equals_plain(four_layers, n, on):
+    """On transformers' modules (no target pass given), or on the target's fused pass cut after n layers."""
+    plain = Engine(four_layers, drafter_factory=lambda p: None, weights="fused")
+    target = plain.forward if on == "fused pass" else None
+    assert isinstance(early_exit_model(four_layers, n, target), PassDraft if target else ModuleDraft)
     engine = Engine(
         four_layers,
         drafter_factory=lambda p: early_exit_drafter(
-            four_layers, n, p, min_confidence=0.0
+            four_layers, n, p, target=target, min_confidence=0.0
         ),
+        weights="fused",
     )
     for k in (1, 3, 6):
         for prompt in PROMPTS:
@@ -357,8 +358,9 @@ REAL_PROMPTS = [
 
 
 def test_early_exit_on_the_real_model(loaded, capsys):
-    """Greedy equivalence with the target's first 20 of 30 layers as the draft; prints acceptance.
-    (Without a trained exit head acceptance is low: see the report; this checks correctness.)"""
+    """Greedy equivalence with the target's first 20 of 30 layers as the draft (its block pass cut
+    there); prints acceptance. (Without a trained exit head acceptance is low: see the report; this
+    checks correctness.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # this module pins one thread for the tiny models
     try:
@@ -366,7 +368,7 @@ def test_early_exit_on_the_real_model(loaded, capsys):
         engine = Engine(
             loaded,
             drafter_factory=lambda p: early_exit_drafter(
-                loaded, 20, p, min_confidence=0.0, max_tokens=3
+                loaded, 20, p, target=plain.forward, min_confidence=0.0, max_tokens=3
             ),
         )
         drafted = accepted = passes = tokens = 0

@@ -29,11 +29,11 @@ def peak():
 import agentspec
 before = peak()
 async def main():
-    async with agentspec.Client(sys.argv[1]) as client:
+    async with agentspec.Client(**json.loads(sys.argv[1])) as client:
         done = await client.generate([{'role': 'user', 'content': 'Say something.'}], max_tokens=8)
-        return client.engine.weights.name, len(done.token_ids)
-name, tokens = asyncio.run(main())
-print(json.dumps({'before': before, 'after': peak(), 'pass': name, 'tokens': tokens}))
+        return client.engine.weights.name, type(client.draft_sources.draft_model).__name__, len(done.token_ids)
+name, draft, tokens = asyncio.run(main())
+print(json.dumps({'before': before, 'after': peak(), 'pass': name, 'draft': draft, 'tokens': tokens}))
 """
 
 
@@ -52,9 +52,12 @@ def qwen2_file(tmp_path_factory):
     return path
 
 
-def _load(path, cache) -> dict:
+def load_in_a_process(cache, **client) -> dict:
+    """``Client(**client)`` started in a fresh process with ``cache`` as its cache folder, asked for
+    a short answer: its peak resident memory before and after (``before``, ``after``), the target's
+    pass, the draft model's kind and the tokens it answered with."""
     env = {**os.environ, "AGENTSPEC_CACHE_DIR": str(cache)}
-    done = subprocess.run([sys.executable, "-c", LOAD, str(path)], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-c", LOAD, json.dumps(client)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -67,7 +70,7 @@ def test_a_gguf_load_holds_about_the_file(qwen2_file, tmp_path):
     except NotImplementedError as exc:  # no kernels for this CPU or no C compiler: the file is refused (test_gguf_model)
         pytest.skip(f"the block kernels do not run here: {exc}")
     size = qwen2_file.stat().st_size
-    run = _load(qwen2_file, tmp_path)
+    run = load_in_a_process(tmp_path, model=str(qwen2_file))
     assert run["pass"] == "gguf-q16" and run["tokens"] > 0, run
     grown = run["after"] - run["before"]
     assert grown < 1.25 * size + 300 * 2**20, (grown, size)

@@ -17,7 +17,7 @@ import pytest
 
 import agentspec
 
-from agentspec.drafting.model import early_exit_drafter
+from agentspec.drafting.draft_models import early_exit_drafter
 from agentspec.engine import Engine
 from agentspec.params import GenerationParams, parse_params
 
@@ -157,8 +157,9 @@ def params(setup: dict, speculative) -> GenerationParams:
 
 
 def test_coupled_model_drafts_give_plain_sampling(loaded, engine):
-    """Early exit drafts sampled with the target's noise at their positions: plain sampling's tokens."""
-    drafting = Engine(loaded, drafter_factory=lambda p: early_exit_drafter(loaded, 20, p, min_confidence=0.0))
+    """Early exit drafts (the target's block pass cut after 20 layers) sampled with the target's noise
+    at their positions: plain sampling's tokens."""
+    drafting = Engine(loaded, drafter_factory=lambda p: early_exit_drafter(loaded, 20, p, target=engine.forward, min_confidence=0.0))
     drafted = accepted = 0
     for i in (0, 7, 13, 22):
         prompt, setup = REQUESTS[i]

@@ -187,7 +187,7 @@ class LocalBackend:
                 self._build_index = ProcessIndexBuilder(
                     grammars.vocabulary, processes=limits.grammar_processes, timeout_s=limits.grammar_timeout_s, on_timeout=lambda: _grammar_timeout(limits)
                 )
-            self.sources = DraftSources(loaded, self.draft, engine.costs, device=self.device, dtype=self.dtype)
+            self.sources = DraftSources(loaded, self.draft, engine.costs, target=engine.forward, device=self.device, dtype=self.dtype)
             engine.drafter_factory = self.sources.drafter
             # a second client on this model starts from the first's measurements; shapes beyond the
             # first two are measured while the client is idle (start-up does not wait for them)

@@ -2,7 +2,7 @@
 
 from .arbiter import ArbiterDrafter
 from .base import NO_DRAFT, Draft, Drafter
-from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
+from .model import ModelDrafter, check_vocab_compatible
 from .ngram import NgramDrafter, NgramIndex, ngram_drafter, propose_ngram
 from .suffix import SuffixCache, SuffixDrafter
 
@@ -11,7 +11,6 @@ __all__ = [
     "ArbiterDrafter",
     "Draft",
     "Drafter",
-    "EarlyExitModel",
     "ModelDrafter",
     "NgramDrafter",
     "NgramIndex",

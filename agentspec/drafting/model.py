@@ -10,8 +10,8 @@ Its cache holds committed tokens only once a step is over: the tokens it fed spe
 grammar's ``after`` tokens and its own draft) stay until ``observe`` says what was committed, and
 the cache is cropped to the part of them that was (accepted drafts are not recomputed).
 
-``EarlyExitModel`` is a draft model made of the target's first N decoder layers, its final norm and
-its LM head: no extra weights, no extra download (self-speculation, as in LayerSkip / Draft&Verify).
+The draft model runs on what ``draft_models.py`` makes of it: a GGUF file's block pass, the
+target's own pass cut after its first N layers (early exit), or transformers' modules.
 
 Shape letters: V vocabulary (the target's), D the draft model's output rows.
 """
@@ -19,11 +19,9 @@ Shape letters: V vocabulary (the target's), D the draft model's output rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from transformers import DynamicCache
 
 from ..errors import ModelLoadError
 from ..logits import LogitsPipeline
@@ -31,13 +29,10 @@ from ..params import GenerationParams
 from ..sampling import position_keys, sample
 from .base import Draft, common_prefix
 
-__all__ = [
-    "DraftChooser",
-    "EarlyExitModel",
-    "ModelDrafter",
-    "check_vocab_compatible",
-    "early_exit_drafter",
-]
+if TYPE_CHECKING:
+    from .draft_models import DraftModel
+
+__all__ = ["DraftChooser", "ModelDrafter", "check_vocab_compatible"]
 
 CONFIDENCE_BUCKETS = 4  # evidence 1..4: the draft's own probability of its first token, in quarters
 
@@ -103,8 +98,9 @@ class DraftChooser:
 class ModelDrafter:
     """Drafts with a causal LM that shares the target's tokenizer (``source="model"``).
 
-    model: called as ``model(input_ids=, cache=, use_cache=True, logits_to_keep=)`` → ``.logits``
-      [1, P, D] (a transformers causal LM, or an :class:`EarlyExitModel`);
+    model: the draft model (``draft_models.DraftModel``): a GGUF file's block pass or the target's
+      own pass cut after N layers (``PassDraft``), or transformers' modules (``ModuleDraft``); each
+      request's drafter feeds a cache of its own;
     vocab_size: the target's V; draft logits are cut or padded (-inf) to it, so a draft whose
       embedding matrix is padded differently still lines up id for id;
     max_tokens: most tokens drafted per step (each costs one draft forward);
@@ -117,7 +113,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        model: Any,
+        model: "DraftModel",
         params: GenerationParams,
         vocab_size: int,
         device: torch.device,
@@ -138,7 +134,7 @@ class ModelDrafter:
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Forget everything; the prompt is fed on the first ``propose`` (lazy prefill)."""
-        self.cache = DynamicCache()
+        self.cache = self.model.cache()
         self.chooser = DraftChooser(self.params, self.vocab_size, self.device, prompt)
         self.cached: list[int] = []  # the tokens whose keys/values are in `cache`, in order
 
@@ -170,17 +166,16 @@ class ModelDrafter:
     @property
     def cached_length(self) -> int:
         """Positions in the draft's KV cache (the invariant: all of them are committed tokens)."""
-        return self.cache.get_seq_length()
+        return self.cache.length
 
     def _crop(self, length: int) -> None:
         if len(self.cached) > length:
-            self.cache.crop(length - len(self.cached))  # a negative count removes that many
+            self.cache.crop(length)
             del self.cached[length:]
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Run the draft over ``tokens`` (appending them to its cache); the last position's logits [V]."""
-        inputs = torch.tensor([tokens], device=self.device)
-        logits = self.model(input_ids=inputs, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = self.cache.feed(tokens)
         self.cached.extend(tokens)
         return _fit_vocab(logits.float(), self.vocab_size)
 
@@ -223,84 +218,3 @@ def check_vocab_compatible(target: Any, draft: Any) -> None:
 def _vocab(model_or_tokenizer: Any) -> dict[str, int]:
     tokenizer = getattr(model_or_tokenizer, "tokenizer", model_or_tokenizer)
     return dict(tokenizer.get_vocab())
-
-
-# -- early exit -------------------------------------------------------------------------------------
-
-
-class EarlyExitModel:
-    """The target's first ``n_layers`` decoder layers + final norm + LM head, as a draft model.
-
-    Holds references to the target's modules, never copies: drafting costs no memory but a KV
-    cache for N layers. Works for Llama-shaped models (``model.model.{embed_tokens, layers, norm,
-    rotary_emb}`` and an output embedding), which covers Llama, SmolLM, Mistral and Qwen2.
-    """
-
-    def __init__(self, causal_lm: Any, n_layers: int) -> None:
-        base = getattr(causal_lm, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if base is None or not all(hasattr(base, name) for name in needed):
-            raise ModelLoadError(
-                f"draft='early-exit:{n_layers}' needs a Llama-shaped model (model.model.layers, norm, rotary_emb); "
-                f"{type(causal_lm).__name__} is not. Use a separate draft model instead."
-            )
-        total = len(base.layers)
-        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers < total:
-            raise ModelLoadError(
-                f"draft='early-exit:{n_layers}': N must be an integer from 1 to {total - 1} (the target has {total} layers)."
-            )
-        self.config = base.config
-        self.embed_tokens, self.norm, self.rotary_emb = (
-            base.embed_tokens,
-            base.norm,
-            base.rotary_emb,
-        )
-        self.layers = list(base.layers[:n_layers])
-        self.lm_head = causal_lm.get_output_embeddings()
-
-    def __call__(
-        self,
-        *,
-        input_ids: torch.Tensor,
-        cache: DynamicCache,
-        use_cache: bool = True,
-        logits_to_keep: int = 0,
-    ) -> SimpleNamespace:
-        from transformers.masking_utils import create_causal_mask
-
-        # As LlamaModel.forward: positions continue the cache; one causal mask and one rotary
-        # embedding are shared by all layers; layer i writes layer i of the cache.
-        hidden = self.embed_tokens(input_ids)  # [1, P, H]
-        past = cache.get_seq_length()
-        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=cache,
-            position_ids=position_ids,
-        )
-        rotary = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
-            out = layer(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=rotary,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
-        hidden = self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        return SimpleNamespace(logits=self.lm_head(hidden))
-
-
-def early_exit_drafter(loaded: Any, n_layers: int, params: GenerationParams, **options: Any) -> ModelDrafter:
-    """A ``ModelDrafter`` over the first ``n_layers`` of ``loaded`` (a ``LoadedModel``)."""
-    return ModelDrafter(
-        EarlyExitModel(loaded.model, n_layers),
-        params,
-        loaded.vocab_size,
-        loaded.device,
-        **options,
-    )

@@ -4,7 +4,10 @@ Every request drafts from n-grams of its own prompt and output. Two sources are 
 client's requests: the suffix cache of earlier outputs (filled as requests finish) and a costly
 drafter of novel text: a trained draft head (``"head:PATH"``, or by default the head agentspec ships
 for the loaded target, when there is one), or with ``Client(draft=...)`` a draft model (a separate
-model, or ``"early-exit:N"``: the target's first N layers); ``draft="none"`` turns both off. As
+model, or ``"early-exit:N"``: the target's first N layers); ``draft="none"`` turns both off. A
+draft model runs as the target does: a GGUF file on its block pass, an early exit of a GGUF target
+on the target's own pass cut after N layers, each with a key/value cache of its own, no float copy
+of the weights made (``draft_models.py``); other models on transformers' modules. As
 soon as more than one source can propose, an ``ArbiterDrafter`` picks per step the draft with the
 most expected tokens per millisecond; a request with only n-grams gets the n-gram drafter itself. Grammar-forced tokens come first in the engine and are never drafted by a model.
 """
@@ -14,16 +17,20 @@ from __future__ import annotations
 import collections
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError, ModelLoadError
 from ..params import GenerationParams
 from .arbiter import ArbiterDrafter, SourceHistory
 from .base import Drafter
 from .head import HEAD_PREFIX, DraftHead, HeadDrafter, load_head, shipped_head
-from .model import EarlyExitModel, ModelDrafter, check_vocab_compatible
+from .draft_models import DraftModel, early_exit_model, file_draft_model
+from .model import ModelDrafter, check_vocab_compatible
 from .ngram import ngram_drafter
 from .suffix import SuffixCache, SuffixDrafter
+
+if TYPE_CHECKING:
+    from ..passes.packed import PassFunction
 
 __all__ = ["DraftSources", "check_draft_reference"]
 
@@ -50,15 +57,18 @@ def check_draft_reference(draft: Any) -> None:
 
 
 class DraftSources:
-    """The client-wide sources; ``drafter(params)`` is the engine's ``drafter_factory``."""
+    """The client-wide sources; ``drafter(params)`` is the engine's ``drafter_factory``.
 
-    def __init__(self, loaded: Any, draft: str | None, costs: Any, *, device: Any = "auto", dtype: Any = "auto") -> None:
+    ``target``: the target's pass (``Engine.forward``), which an early exit of a GGUF target runs
+    the first layers of."""
+
+    def __init__(self, loaded: Any, draft: str | None, costs: Any, *, target: PassFunction | None = None, device: Any = "auto", dtype: Any = "auto") -> None:
         self.loaded = loaded
         self.costs = costs
         self.suffixes = SuffixCache()  # requests without a cache_salt (every request of an embedded client)
         self._salted: collections.OrderedDict[str, SuffixCache] = collections.OrderedDict()  # per cache_salt, LRU
         self.history = SourceHistory()  # what requests measured about the draft model, for the next ones
-        self.draft_model: Any = None
+        self.draft_model: DraftModel | None = None
         self.head: DraftHead | None = None  # a trained draft head: given, or shipped for this target
         self.head_path: Path | None = None
         if draft is None:
@@ -72,7 +82,7 @@ class DraftSources:
             self.head_path = Path(draft[len(HEAD_PREFIX) :]).expanduser()
             self.head = load_head(self.head_path, loaded, loaded.name)
         elif draft.startswith(EARLY_EXIT):
-            self.draft_model = EarlyExitModel(loaded.model, int(draft[len(EARLY_EXIT) :]))
+            self.draft_model = early_exit_model(loaded, int(draft[len(EARLY_EXIT) :]), target)
         elif draft is not None:
             from ..model import load_model
 
@@ -80,7 +90,7 @@ class DraftSources:
             if draft_loaded.device != loaded.device:
                 raise ModelLoadError(f"The draft model loaded on {draft_loaded.device} but the target is on {loaded.device}.")
             check_vocab_compatible(loaded, draft_loaded)
-            self.draft_model = draft_loaded.model
+            self.draft_model = file_draft_model(draft_loaded)
 
     @property
     def has_model(self) -> bool:

@@ -20,6 +20,7 @@ weights (any device and dtype), or the GGUF file's own blocks (``products.py``).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -137,6 +138,17 @@ class FusedPass:
         self.ropes = sorted({spec.rope for spec in arch.layers if spec.rope is not None})
         with torch.no_grad():
             self.head = linear([model.get_output_embeddings().weight])
+
+    def first_layers(self, layers: int) -> "FusedPass":
+        """This pass cut after its first ``layers`` decoder layers, then its final norm and LM head
+        (an early exit, as in LayerSkip): the same products and weights, shared, not copied; the
+        keys and values it reads and writes hold ``layers`` layers. ``ValueError`` unless it keeps
+        at least one layer and drops at least one."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < len(self.layers):
+            raise ValueError(f"an early exit keeps 1 to {len(self.layers) - 1} of the {len(self.layers)} layers, not {layers!r}")
+        cut = copy.copy(self)
+        cut.layers = self.layers[:layers]
+        return cut
 
     def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings [T, hidden] (scaled where the family scales them)."""

@@ -207,6 +207,10 @@ class StaticPass(FusedPass):
         self.graph_failures: list[str] = []  # why a shape runs eagerly although graphs are on
         self._lock = threading.Lock()  # one pass at a time: engines of one model share this pass and its pool
 
+    def first_layers(self, layers: int) -> FusedPass:
+        """Not for this pass: its pool and graphs hold every layer (``NotImplementedError``)."""
+        raise NotImplementedError("the static pass's key/value pool and graphs hold every layer; an early exit runs on the CPU passes")
+
     @torch.inference_mode()
     def __call__(self, rows: Sequence[PackedRow]) -> list[torch.Tensor]:
         with self._lock:

@@ -52,8 +52,10 @@ every pass, speculative decoding equals plain decoding on that pass, token for t
   visible change of model, but greedy decoding can part from float32 decoding where two tokens are
   nearly tied. ``weights="gguf"`` is the loaded model's own float32 arithmetic.
 
-The loaded model is shared and stays untouched (``generate``, draft models and the bench's baselines
-use it); the faster passes hold a second copy of the linear weights. What each pass measured, and on
+The loaded model is shared and stays untouched (``generate``, draft models on transformers' modules
+and the bench's baselines use it); the faster passes hold a second copy of the linear weights. A
+GGUF draft model takes its pass here as a target does, and an early exit cuts the target's
+(``FusedPass.first_layers``). What each pass measured, and on
 which machine: docs/how-it-works.md and docs/kernels.md.
 """
 from __future__ import annotations
