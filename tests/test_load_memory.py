@@ -64,7 +64,8 @@ def load_in_a_process(cache, **client) -> dict:
 
 def test_a_gguf_load_holds_about_the_file(qwen2_file, tmp_path):
     """A load peaks under 1.25 times the file plus 300 MB over the process before it, runs the
-    integer block pass, answers, and writes nothing but the kernels (no float32 snapshot)."""
+    integer block pass, answers, and writes nothing but kernels where the package has none for this CPU (no float32
+    snapshot)."""
     try:
         block_kernels()
     except NotImplementedError as exc:  # no kernels for this CPU or no C compiler: the file is refused (test_gguf_model)
@@ -74,5 +75,5 @@ def test_a_gguf_load_holds_about_the_file(qwen2_file, tmp_path):
     assert run["pass"] == "gguf-q16" and run["tokens"] > 0, run
     grown = run["after"] - run["before"]
     assert grown < 1.25 * size + 300 * 2**20, (grown, size)
-    assert [p.name for p in tmp_path.iterdir()] == ["kernels"]  # the compiled kernels, nothing of the model
+    assert {p.name for p in tmp_path.iterdir()} <= {"kernels"}  # at most kernels compiled here, nothing of the model
     print(f"file {size / 2**20:.0f} MiB: a load +{grown / 2**20:.0f} MiB")
