@@ -44,7 +44,7 @@ import torch
 from .chat import ChatFormat
 from .errors import ModelLoadError
 from .gguf import GGUFFile, read_gguf
-from .gguf.config import head_dim_override
+from .gguf.config import head_dim_override, transformers_reads
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
@@ -314,6 +314,20 @@ def _module_tree_family(gguf: GGUFFile | None, device: torch.device, dtype: torc
     return gguf is not None and device.type == "cpu" and dtype == torch.float32 and model_type(gguf) in FAMILIES
 
 
+def _dequantised_model(gguf: GGUFFile, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A file transformers does not read (``gguf/config.OWN_TABLES``) off the block passes — another
+    device or dtype: agentspec's module tree with every matrix dequantised, on ``device`` in ``dtype``."""
+    from .gguf.config import model_config, model_tokenizer
+    from .gguf.modules import module_tree
+
+    model = module_tree(gguf, model_config(gguf))
+    try:
+        model.to(device=device, dtype=dtype)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        raise ModelLoadError(f"Could not move the model to {device}: {exc}. Try device='cpu' or a smaller dtype.") from exc
+    return model, model_tokenizer(gguf)
+
+
 def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Load a model afresh (``load_model`` shares one load per process). A GGUF file on the CPU is
     read as the model (``module_tree``: nothing dequantised but the file's float tensors); anything
@@ -333,7 +347,12 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         tokenizer = model_tokenizer(gguf)
         _return_freed_memory()  # the tokenizer's conversion leaves ~95 MB freed on the C heap (Qwen's 151,936 tokens)
         module = module_tree(gguf, config, quantised=frozenset(GGUF_TYPES))
-        float_model = lambda: _transformers_model(ref, device, dtype, gguf)[0]  # noqa: E731 - the reference, on demand
+        if transformers_reads(gguf):  # the reference, on demand: transformers' own reading of the file
+            float_model = lambda: _transformers_model(ref, device, dtype, gguf)[0]  # noqa: E731
+        else:  # Gemma 1, SmolLM3, Granite: the same tree with every matrix dequantised
+            float_model = lambda: module_tree(gguf, config)  # noqa: E731
+    elif gguf is not None and not transformers_reads(gguf):
+        module, tokenizer = _dequantised_model(gguf, device, dtype)
     else:
         module, tokenizer = _transformers_model(ref, device, dtype, gguf)
     vocab_size = module.get_output_embeddings().weight.shape[0]

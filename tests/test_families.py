@@ -54,12 +54,13 @@ def test_every_family_has_a_test():
     assert set(_configs()) == set(FAMILIES)
 
 
-def family_model(family: str, vocab_size: int, seed: int = 0, noise: float = 0.3):
+def family_model(family: str, vocab_size: int, seed: int = 0, noise: float = 0.3, config=None):
     """The family's tiny model, every weight (norms included) plus Gaussian ``noise``: large enough
-    that no switch hides behind an identity; reduced precision wants less (cuda_check's bf16)."""
+    that no switch hides behind an identity; reduced precision wants less (cuda_check's bf16).
+    ``config``: another configuration of the family than the test's."""
     from transformers import AutoModelForCausalLM
 
-    config = _configs()[family]()
+    config = config or _configs()[family]()
     config.vocab_size = vocab_size
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -229,10 +230,16 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> "np.ndarray":
     return np.array(factors, dtype=np.float32)
 
 
+# The families whose q/k rows llama.cpp's converter interleaves: LlamaModel and its subclasses that keep
+# undo_permute (conversion/llama.py: Mistral's files are Llama's; SmolLM3Model; granite.py's GraniteModel),
+# written here by that rule and not by arch.py's Family.gguf_permuted, which the tests check
+CONVERTER_PERMUTES = frozenset({"llama", "mistral", "smollm3", "granite"})
+
+
 def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[str, str] | None = None) -> None:
     """``model`` as llama.cpp's converter writes its family — Llama's q/k rows with their rotary
     halves interleaved, Gemma's norms as 1 + w, Gemma 3 as architecture ``gemma3``, Llama 3's RoPE
-    scaling as a factor per frequency (``rope_freqs.weight``) — its
+    scaling as a factor per frequency (``rope_freqs.weight``), Granite's multipliers — its
     projections and LM head (unless tied) in ``quant`` blocks (gguf-py's quantiser), the rest float32,
     with the tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some
     tensors, by name. What the metadata says is what llama.cpp's GGUF keys hold (sizes, heads, RoPE
@@ -257,13 +264,20 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if family.multipliers:  # Granite's, under llama.cpp's names
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if family.no_rope_layers:  # the file cannot say which layers have no rotary: llama.cpp takes every fourth
+        assert list(config.no_rope_layers) == [int((i + 1) % 4 != 0) for i in range(config.num_hidden_layers)], "SmolLM3's GGUF form has a layer without rotary every fourth"
     blocks = gguf.GGMLQuantizationType[quant]
 
     def add(name, tensor, quantised=False):
         values = tensor.detach().float().numpy()
         if family.norm_offset and name.endswith("norm.weight"):
             values = values + family.norm_offset
-        if family.gguf_permuted and (".attn_q." in name or ".attn_k." in name):  # llama.cpp's converter: rotary halves interleaved
+        if config.model_type in CONVERTER_PERMUTES and (".attn_q." in name or ".attn_k." in name):  # rotary halves interleaved
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             values = values.reshape(heads, 2, values.shape[0] // heads // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
         if quantised:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -20,16 +21,19 @@ from agentspec.gguf.modules import weights_on_meta
 from agentspec.model import default_model_path, read_model
 from agentspec.passes.arch import describe
 from agentspec.passes.blocks import BlockPass
+from agentspec.passes.layouts import tensor_blocks
 from agentspec.passes.products import GGUFBlocks
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.passes.weights import onednn_linear
 
 from .conftest import VOCABULARIES, drafted_matching_plain, real_vocab
-from .test_families import family_model, q8_0_blocks, write_gguf
+from .test_families import SMALL, family_model, q8_0_blocks, write_gguf
 
 CPU, F32 = torch.device("cpu"), torch.float32
 # The families of arch.py whose GGUF form transformers reads (Mistral's files are Llama's)
 FILE_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# The families whose GGUF form transformers does not read: agentspec's tables (gguf/config.OWN_TABLES)
+OWN_FAMILIES = ("gemma", "smollm3", "granite")
 TEXTS = [
     "Hello world!  How are you?\n\n def f(x):\n\treturn x**2",
     "日本語のテキスト émoji 🎉 — naïve café",
@@ -100,6 +104,58 @@ def test_an_engine_on_the_file_alone_decodes_speculatively_as_plainly(family_fil
     name, _, read, _ = family_file
     engine = Engine(read)  # "auto": the block pass by rule, nothing dequantised
     assert isinstance(engine.forward, BlockPass) and not engine.weights.check_at_start
+    assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
+
+
+@pytest.fixture(scope="module", params=OWN_FAMILIES)
+def own_family_file(request, loaded, tmp_path_factory):
+    """(family, the model the file was written from, agentspec's reading of the file) for a family
+    transformers does not read from GGUF (``gguf/config.OWN_TABLES``): its weights are Q8_0 values,
+    so the model written is the reference. SmolLM3 with llama.cpp's layer without rotary every fourth."""
+    import transformers as T
+
+    name = request.param
+    config = {  # SmolLM3: transformers' default interval, 4; Granite: multipliers a float32 key holds exactly
+        "smollm3": lambda: T.SmolLM3Config(**SMALL, pad_token_id=0),
+        "granite": lambda: T.GraniteConfig(**SMALL, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0),
+    }.get(name, lambda: None)()
+    model = family_model(name, loaded.vocab_size, seed=9, config=config)
+    q8_0_blocks(model)
+    with torch.no_grad():  # the embedding as Q8_0 values too
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(tensor_blocks("Q8_0", gguf.quants.quantize(embedding.numpy(), gguf.GGMLQuantizationType.Q8_0)).dequantised())
+    path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
+    write_gguf(model, loaded.gguf_file, path, types={"token_embd.weight": "Q8_0"})
+    return name, model, read_model(path, CPU, F32)
+
+
+def test_a_family_transformers_does_not_read_is_read_as_llama_cpp_reads_it(own_family_file):
+    """Gemma (1), SmolLM3 and Granite files: the configuration from llama.cpp's keys describes the
+    model written (multipliers, layers without rotary, head size), the module tree holds its norms
+    and biases, and the dequantised float model is the model written."""
+    name, model, read = own_family_file
+    assert weights_on_meta(read.module) and read.module.config.model_type == name
+    assert describe(read.module) == describe(model) and KVLayout.of(read.module) == KVLayout.of(model)
+    if name == "smollm3":
+        assert [layer.rope for layer in describe(read.module).layers] == ["", "", "", None]
+    theirs = dict(model.named_parameters()) | dict(model.named_buffers())
+    for key, tensor in [*read.module.named_parameters(), *read.module.named_buffers()]:
+        if tensor.device.type != "meta":
+            torch.testing.assert_close(tensor, theirs[key], rtol=0, atol=1e-6, msg=key)  # Gemma's norms: (1 + w) - 1
+    for key, tensor in dict(read.model.named_parameters()).items():
+        torch.testing.assert_close(tensor, theirs[key], rtol=0, atol=1e-6, msg=key)
+
+
+@torch.inference_mode()
+def test_a_family_transformers_does_not_read_runs_on_its_blocks(own_family_file):
+    """The block pass on such a file gives the written model's logits to float32 rounding, and an
+    engine on the file alone decodes speculatively as plainly."""
+    name, model, read = own_family_file
+    use_packed_attention(model)
+    forward = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear))
+    assert check_packed(model, KVLayout.of(model), 1e-3, forward=forward) <= 1e-3, name
+    engine = Engine(read)
+    assert isinstance(engine.forward, BlockPass)
     assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
 
 

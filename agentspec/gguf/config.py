@@ -7,6 +7,14 @@ from the token list, Gemma 3's text model, a head size that is not hidden / head
 configuration ``AutoConfig.from_pretrained(..., gguf_file=...)`` gives — the tests compare them per
 family — without parsing the file again.
 
+Three families of ``passes/arch.py`` have GGUF files llama.cpp runs but no table in transformers:
+Gemma (1), SmolLM3 and Granite. ``OWN_TABLES`` reads them as llama.cpp's loader does (its converter's
+``GemmaModel``, ``SmolLM3Model``, ``GraniteModel``; ``src/models/*.cpp``): Gemma's keys are Gemma 2's;
+SmolLM3's are Llama's, with a layer without rotary every fourth (llama.cpp's fixed
+``n_no_rope_layer_step``, transformers' default interval); Granite's are Llama's plus its four
+multipliers, the attention's defaulting to 1 / sqrt(head size) where the file has none, as llama.cpp's
+does (transformers' class defaults to 1).
+
 ``model_tokenizer`` builds the tokenizer from ``tokenizer.ggml.*`` with transformers' converters (the
 ``tokenizers`` library underneath): 0.2 s for SmolLM2's 49,152 tokens where ``AutoTokenizer`` over the
 file took 3.9 s (it parses the whole file twice through gguf-py), the same ids for the same text.
@@ -21,10 +29,19 @@ import numpy as np
 from ..errors import ModelLoadError
 from .reader import GGUFFile
 
-__all__ = ["model_config", "model_tokenizer", "model_type", "head_dim_override"]
+__all__ = ["model_config", "model_tokenizer", "model_type", "head_dim_override", "OWN_TABLES", "transformers_reads"]
 
 # The special tokens' names in transformers and their ids' keys in the file (tokenizer.ggml.<key>)
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+# {model type: (the transformers table its keys extend, {llama.cpp's key: the config field})}
+OWN_TABLES: dict[str, tuple[str, dict[str, str]]] = {
+    "gemma": ("gemma2", {}),
+    "smollm3": ("llama", {}),
+    "granite": ("llama", {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                          "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}),
+}
 
 
 def _plain(value: Any) -> Any:
@@ -51,19 +68,34 @@ def head_dim_override(gguf: GGUFFile) -> dict[str, Any]:
     return {"head_dim": head_dim} if head_dim and hidden and heads and head_dim * heads != hidden else {}
 
 
+def transformers_reads(gguf: GGUFFile) -> bool:
+    """Whether transformers' own GGUF loader reads the file's architecture (the float reference of
+    ``LoadedModel.model``); for the families of ``OWN_TABLES`` agentspec dequantises it itself."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    kind = model_type(gguf)
+    return ("gemma3" if kind == "gemma3_text" else kind) in GGUF_CONFIG_MAPPING
+
+
 def model_config(gguf: GGUFFile) -> Any:
     """The transformers configuration of the model in ``gguf`` (``ModelLoadError`` for an architecture
-    transformers has no GGUF mapping for)."""
+    neither transformers nor ``OWN_TABLES`` has a GGUF mapping for)."""
     from transformers import AutoConfig
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     architecture, kind = gguf.architecture, model_type(gguf)
     table_name = "gemma3" if kind == "gemma3_text" else kind
-    if table_name not in GGUF_CONFIG_MAPPING:
-        raise ModelLoadError(f"{gguf.path}: GGUF models of architecture {architecture!r} are not supported (transformers maps {', '.join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer')))}).")
+    if table_name in GGUF_CONFIG_MAPPING:
+        table = GGUF_CONFIG_MAPPING[table_name]
+    elif kind in OWN_TABLES:
+        base, extra = OWN_TABLES[kind]
+        table = {**GGUF_CONFIG_MAPPING[base], **extra}
+    else:
+        known = sorted({*OWN_TABLES, *(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))})
+        raise ModelLoadError(f"{gguf.path}: GGUF models of architecture {architecture!r} are not supported (agentspec reads {', '.join(known)}).")
     fields: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
     fields.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(kind, {}))
-    tables = {architecture: GGUF_CONFIG_MAPPING[table_name], "tokenizer": GGUF_CONFIG_MAPPING["tokenizer"]}
+    tables = {architecture: table, "tokenizer": GGUF_CONFIG_MAPPING["tokenizer"]}
     for key, value in gguf.metadata.items():
         prefix, _, rest = key.partition(".")
         renamed = tables.get(prefix, {}).get(rest)
@@ -75,6 +107,8 @@ def model_config(gguf: GGUFFile) -> Any:
     if name is not None:
         fields["_model_name_or_path"] = name
     fields.update(head_dim_override(gguf))
+    if kind == "granite" and "attention_multiplier" not in fields and fields.get("num_attention_heads") and fields.get("hidden_size"):  # llama.cpp's kq_scale without the key
+        fields["attention_multiplier"] = (fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]) ** -0.5
     try:
         return AutoConfig.for_model(kind, **fields)
     except (ValueError, TypeError, KeyError) as exc:
@@ -101,7 +135,7 @@ def model_tokenizer(gguf: GGUFFile) -> Any:
         index = meta.get(f"tokenizer.ggml.{key}")
         settings[name] = tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
     try:
-        backend, extra = convert_gguf_tokenizer(model_type(gguf), description)
+        backend, extra = convert_gguf_tokenizer(gguf.architecture, description)  # as transformers' reader names it (gemma3, not gemma3_text)
     except (ValueError, KeyError, TypeError, NotImplementedError) as exc:
         raise ModelLoadError(f"{gguf.path}: its tokenizer ({description.get('tokenizer_type')!r}) cannot be built ({exc}).") from exc
     return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)

@@ -1,15 +1,18 @@
 """transformers' module tree for a GGUF file's model, holding none of its quantised weights.
 
-The passes on a file's blocks (``passes/blocks.py``, ``products.py``) read the model's structure from transformers'
-modules (``arch.describe``: which projections, norms, windows, scales), its rotary tables, and its
-small float tensors — norms, biases. ``module_tree`` builds that tree with its parameters on the meta
-device (shapes, no memory) and loads into it only the file's float tensors (F32, F16, BF16: the
-norms and biases, and any matrix the file keeps unquantised), converted to float32 as transformers'
-GGUF loader converts them (its tensor processors: Llama's q/k rows un-interleaved, Gemma's norms
-less one). Buffers (rotary frequencies, Gemma's embedding scale) are built on the CPU as transformers
+The passes on a file's blocks (``passes/blocks.py``, ``products.py``) read the model's structure
+from transformers' modules (``arch.describe``: which projections, norms, windows, scales), its rotary
+tables, and its small float tensors — norms, biases. ``module_tree`` builds that tree with its
+parameters on the meta device (shapes, no memory) and loads into it only the file's float tensors
+(F32, F16, BF16: the norms and biases, and any matrix the file keeps unquantised), converted to
+float32 as transformers' GGUF loader converts them (its tensor processors: Llama's q/k rows
+un-interleaved, Gemma's norms less one; ``PROCESSOR_OF`` names the processor of a family it has none
+for). Buffers (rotary frequencies, Gemma's embedding scale) are built on the CPU as transformers
 builds them. A quantised matrix stays on the meta device: the block pass multiplies the file's own
-blocks, and the embedding rows it needs are dequantised from them (``passes/layouts.FileBlocks``), so no float32
-copy of the model exists. ``weights_on_meta`` tells such a tree from a loaded model.
+blocks, and the embedding rows it needs are dequantised from them (``passes/layouts.FileBlocks``),
+so no float32 copy of the model exists. ``weights_on_meta`` tells such a tree from a loaded model;
+``quantised=frozenset()`` dequantises every matrix into it (the float model of a family transformers
+does not read from GGUF).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from .reader import GGML_TYPES, GGUFFile, GGUFTensor
 __all__ = ["module_tree", "apply_rope_factors", "ROPE_FACTORS", "float_array", "weights_on_meta", "FLOAT_TYPES"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# transformers' tensor processor of the architectures it has none for (gguf/config.OWN_TABLES): llama.cpp's
+# converter writes Gemma's norms as 1 + w as for Gemma 2, and SmolLM3's and Granite's q/k rows as Llama's
+PROCESSOR_OF = {"gemma": "gemma2", "smollm3": "llama", "granite": "llama"}
 
 
 def float_array(tensor: GGUFTensor) -> np.ndarray:
@@ -59,7 +65,7 @@ def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozens
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) built on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(PROCESSOR_OF.get(gguf.architecture, gguf.architecture), TensorProcessor)(config=config.to_dict())
     names = _parameter_names(model, gguf)
     for name, tensor in gguf.tensors.items():
         if tensor.type_name in FLOAT_TYPES:

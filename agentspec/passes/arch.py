@@ -53,8 +53,8 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family(norm_offset=1.0),
     "gemma2": Family(norm_offset=1.0, sandwich=True, activation="hidden_activation"),
     "gemma3_text": Family(norm_offset=1.0, sandwich=True, activation="hidden_activation", qk_norm=True, rotary_per_layer_type=True),
-    "smollm3": Family(no_rope_layers=True),
-    "granite": Family(multipliers=True),
+    "smollm3": Family(no_rope_layers=True, gguf_permuted=True),
+    "granite": Family(multipliers=True, gguf_permuted=True),
 }
 
 # The gate activations the passes compute, by transformers' names (ACT2FN computes the same functions)
