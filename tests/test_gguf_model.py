@@ -16,7 +16,7 @@ import torch
 from agentspec.engine import Engine
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.gguf import read_gguf
-from agentspec.gguf.config import head_dim_override, model_config, model_tokenizer
+from agentspec.gguf.config import dropped_fields, model_config, model_tokenizer
 from agentspec.gguf.modules import weights_on_meta
 from agentspec.model import default_model_path, read_model
 from agentspec.passes.arch import describe
@@ -61,7 +61,7 @@ def test_the_configuration_is_the_one_transformers_reads(family_file):
     name, path, read, _ = family_file
     ours = model_config(read.gguf).to_dict()
     theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    theirs.update(head_dim_override(read.gguf))  # Qwen3's head size, which transformers' table drops (its reading is given it too)
+    theirs.update(dropped_fields(read.gguf))  # Qwen3's head size, Phi-3's rotary: transformers' table drops them (its reading is given them too)
     differ = {key: (ours.get(key), theirs.get(key)) for key in set(ours) | set(theirs) if key != "_name_or_path" and ours.get(key) != theirs.get(key)}
     assert not differ, differ
 
@@ -180,6 +180,43 @@ def test_llama_3s_rotary_scaling_survives_the_file(loaded, tmp_path):
     use_packed_attention(model)
     forward = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear))
     assert check_packed(model, KVLayout.of(model), 1e-3, forward=forward) <= 1e-3
+
+
+@torch.inference_mode()
+def test_phi_3s_rotary_survives_the_file(loaded, tmp_path):
+    """Phi-3.5 and Phi-4-mini rotate part of each head with LongRoPE: two tables of factors, the short
+    one within the context the model was pretrained on, the long one beyond. llama.cpp's converter
+    writes the width (``rope.dimension_count``) and the tables (``rope_factors_long``/``_short``, the
+    original context, the attention factor); transformers' GGUF table drops all of it. Read from the
+    file alone the model rotates as the checkpoint does, the table chosen per position
+    (``passes/rope.py``): transformers' own angles, bit for bit, for a call within the original
+    context and for one past it; the pass on the file gives the checkpoint's logits on positions on
+    both sides of it; and an engine decodes across it speculatively as plainly."""
+    import transformers as T
+
+    from agentspec.passes.rope import PositionwiseLongRope, pin_long_rope
+
+    original = 8  # check_packed's sequences run to position 10
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": original,
+            "long_factor": [1.0, 2.5, 4.0, 8.0], "short_factor": [1.0, 1.1, 1.3, 1.7]}
+    config = T.Phi3Config(**SMALL, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=original)
+    model = family_model("phi3", loaded.vocab_size, seed=10, config=config)
+    q8_0_blocks(model)
+    path = tmp_path / "phi3-longrope.gguf"
+    write_gguf(model, loaded.gguf_file, path)
+    read = read_model(path, CPU, F32)
+    rotary = read.module.model.rotary_emb
+    assert isinstance(rotary, PositionwiseLongRope) and rotary.original == original
+    hidden = torch.zeros(1, 1, SMALL["hidden_size"])
+    for positions in (torch.arange(original)[None], torch.arange(original, 3 * original)[None]):  # within, past
+        theirs = model.model.rotary_emb(hidden, positions)  # transformers' table for the whole call
+        assert all(torch.equal(a, b) for a, b in zip(rotary(hidden, positions), theirs))
+    assert pin_long_rope(model) and not pin_long_rope(model)
+    use_packed_attention(model)
+    forward = BlockPass(read.module, GGUFBlocks(read.module, read.gguf, onednn_linear))
+    assert check_packed(model, KVLayout.of(model), 1e-3, forward=forward) <= 1e-3
+    engine = Engine(read)
+    assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
 
 
 @pytest.mark.parametrize("vocabulary", ["default", *VOCABULARIES])

@@ -1,11 +1,13 @@
-"""A GGUF file's model configuration and tokenizer, from its metadata alone (no tensor is read).
+"""A GGUF file's model configuration and tokenizer, from its metadata (and LongRoPE's factor tensors).
 
 ``model_config`` maps the metadata to a transformers configuration with transformers' own tables
 (``GGUF_CONFIG_MAPPING``: ``qwen2.block_count`` → ``num_hidden_layers`` and so on) and the rules its
 GGUF loader adds (a missing ``output.weight`` ties the LM head to the embeddings, the vocabulary size
-from the token list, Gemma 3's text model, a head size that is not hidden / heads), so it is the
-configuration ``AutoConfig.from_pretrained(..., gguf_file=...)`` gives — the tests compare them per
-family — without parsing the file again.
+from the token list, Gemma 3's text model), so it is the configuration
+``AutoConfig.from_pretrained(..., gguf_file=...)`` gives — the tests compare them per family — without
+parsing the file again; plus what the file says and transformers' table drops (``dropped_fields``:
+a head size that is not hidden / heads, Phi-3's partial rotary width and its LongRoPE tables), which
+agentspec gives transformers' reading too.
 
 Three families of ``passes/arch.py`` have GGUF files llama.cpp runs but no table in transformers:
 Gemma (1), SmolLM3 and Granite. ``OWN_TABLES`` reads them as llama.cpp's loader does (its converter's
@@ -29,7 +31,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from .reader import GGUFFile
 
-__all__ = ["model_config", "model_tokenizer", "model_type", "head_dim_override", "OWN_TABLES", "transformers_reads"]
+__all__ = ["model_config", "model_tokenizer", "model_type", "dropped_fields", "OWN_TABLES", "transformers_reads"]
 
 # The special tokens' names in transformers and their ids' keys in the file (tokenizer.ggml.<key>)
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
@@ -60,12 +62,42 @@ def model_type(gguf: GGUFFile) -> str:
     return {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(architecture, architecture)
 
 
-def head_dim_override(gguf: GGUFFile) -> dict[str, Any]:
-    """The configuration's ``head_dim`` where the file's is not hidden / heads (Qwen3's
-    ``attention.key_length``, which transformers' table drops), else nothing."""
+def dropped_fields(gguf: GGUFFile) -> dict[str, Any]:
+    """What the file says that transformers' table drops, as configuration fields (its reading is
+    given them too, ``model._transformers_model``): the ``head_dim`` where it is not hidden / heads
+    (Qwen3's ``attention.key_length``), and Phi-3's rotary embedding (``_phi3_rotary``)."""
     meta, architecture = gguf.scalars(), gguf.architecture
     head_dim, hidden, heads = (meta.get(f"{architecture}.{key}") for key in ("attention.key_length", "embedding_length", "attention.head_count"))
-    return {"head_dim": head_dim} if head_dim and hidden and heads and head_dim * heads != hidden else {}
+    fields: dict[str, Any] = {"head_dim": head_dim} if head_dim and hidden and heads and head_dim * heads != hidden else {}
+    if model_type(gguf) == "phi3":
+        fields.update(_phi3_rotary(gguf))
+    return fields
+
+
+def _phi3_rotary(gguf: GGUFFile) -> dict[str, Any]:
+    """Phi-3's rotary embedding as llama.cpp's converter writes it: the width it rotates
+    (``rope.dimension_count``, a fraction of the head: Phi-4-mini's 3/4) and LongRoPE's two tables of
+    factors (tensors ``rope_factors_long``/``_short``, with ``rope.scaling.original_context_length``
+    and ``.attn_factor``; Phi-3.5, Phi-4-mini)."""
+    from .modules import float_array
+
+    meta, architecture = gguf.scalars(), gguf.architecture
+    key = lambda name: meta.get(f"{architecture}.{name}")  # noqa: E731
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base") or 10000.0)}
+    hidden, heads, rotated = key("embedding_length"), key("attention.head_count"), key("rope.dimension_count")
+    if rotated and hidden and heads:
+        rope["partial_rotary_factor"] = rotated / (key("attention.key_length") or hidden // heads)
+    long, short = (gguf.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short"))
+    if long is None or short is None:
+        return {"rope_parameters": rope}
+    original = key("rope.scaling.original_context_length")
+    if not isinstance(original, int) or original <= 0:
+        raise ModelLoadError(f"{gguf.path}: LongRoPE factors without {architecture}.rope.scaling.original_context_length")
+    rope.update(rope_type="longrope", long_factor=float_array(long).reshape(-1).tolist(), short_factor=float_array(short).reshape(-1).tolist(),
+                original_max_position_embeddings=original)
+    if key("rope.scaling.attn_factor"):
+        rope["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    return {"rope_parameters": rope, "original_max_position_embeddings": original}
 
 
 def transformers_reads(gguf: GGUFFile) -> bool:
@@ -106,7 +138,7 @@ def model_config(gguf: GGUFFile) -> Any:
     name = gguf.metadata.get("general.name")
     if name is not None:
         fields["_model_name_or_path"] = name
-    fields.update(head_dim_override(gguf))
+    fields.update(dropped_fields(gguf))
     if kind == "granite" and "attention_multiplier" not in fields and fields.get("num_attention_heads") and fields.get("hidden_size"):  # llama.cpp's kq_scale without the key
         fields["attention_multiplier"] = (fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]) ** -0.5
     try:

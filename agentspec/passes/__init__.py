@@ -3,6 +3,7 @@
 - ``arch.py``     a decoder block described as data, per family (biases, q/k norms, RoPE, windows, ...)
 - ``packed.py``   the packed multi-sequence pass over transformers' modules, and its attention
 - ``fused.py``    agentspec's own pass for the families of ``arch.py``, on any linear product
+- ``rope.py``     LongRoPE with its table chosen per position (Phi-3.5, Phi-4-mini)
 - ``static.py``   the GPU pass: a key/value pool allocated once, CUDA graphs per shape
 - ``levels.py``   the kernels' instruction-set levels and their build (``blocks.c``, ``blocks.h``)
 - ``layouts.py``  a GGUF matrix's blocks and the kernels' layouts of them, built in runs of rows
