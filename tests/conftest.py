@@ -27,6 +27,32 @@ def pytest_configure(config: pytest.Config) -> None:
 VOCABULARIES = ("qwen2", "llama-bpe")  # llama.cpp's vocabulary-only GGUF files that `make install` unpacks
 
 
+# Text no pass or test was tuned on: prose, code, JSON and a list, for measures of greedy agreement
+HELD_TEXT = (
+    "The committee met on Tuesday to review the quarterly figures. Revenue rose by four percent, "
+    "mostly from the northern region, while costs stayed flat. Two members asked why the new "
+    "warehouse had opened late; the answer was a delayed permit, now resolved.\n\n"
+    "def median(values):\n    ordered = sorted(values)\n    middle = len(ordered) // 2\n"
+    "    if len(ordered) % 2:\n        return ordered[middle]\n    return (ordered[middle - 1] + ordered[middle]) / 2\n\n"
+    '{"order_id": 4417, "customer": "Ana Ruiz", "items": [{"sku": "B-12", "qty": 3}], "status": "shipped"}\n\n'
+    "Steps to reset the router: unplug it for thirty seconds, plug it back in, wait for the green "
+    "light, then reconnect your laptop to the network named on the label."
+)
+
+
+def greedy_margins(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float]:
+    """A measure of two passes' logits [T, V] on the same text that predicts greedy agreement:
+    ``(safe, agreed)``, the share of positions where the candidate's largest logit error is under half
+    the reference's margin between its two best tokens — where the candidate's greedy choice is the
+    reference's by construction, however the error falls — and the share where the choices agree
+    (never less). A largest error alone (``check_packed``) says nothing of the margins it meets."""
+    top = reference.float().topk(2, dim=-1).values
+    error = (candidate.float() - reference.float()).abs().amax(-1)
+    safe = (error < (top[:, 0] - top[:, 1]) / 2).float().mean().item()
+    agreed = (candidate.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return safe, agreed
+
+
 def real_vocab(name: str) -> str:
     """The path of a real tokenizer's vocabulary-only GGUF file (``ggml-vocab-NAME.gguf``: Qwen2's
     151,936 tokens or Llama 3's 128,256), as `make install` unpacks it from llama-cpp-python's source

@@ -247,6 +247,32 @@ def test_16_bit_activations_are_a_candidate_within_a_hundredth_of_float32(loaded
     assert 1e-3 < check_packed(model, layout, chosen.tolerance, forward=chosen.forward) < NEAR_TOLERANCE
 
 
+@torch.inference_mode()
+def test_16_bit_rows_keep_float32s_greedy_choices_on_text(loaded):
+    """On held text (``conftest.HELD_TEXT``, teacher-forced), "gguf-q16"'s logit error stays under half
+    of float32's top-two margin at nearly every position — there its greedy choice is float32's by
+    construction — and the choices agree at every position; the 8-bit rows of "gguf-q8" (another
+    model) are safe at fewer positions. This, not the largest error on random tokens, is what says
+    greedy text will agree (``conftest.greedy_margins``)."""
+    from .conftest import HELD_TEXT, greedy_margins
+
+    model, layout = loaded.model, KVLayout.of(loaded.model)
+    ids = loaded.tokenizer.encode(HELD_TEXT, add_special_tokens=False)
+    assert len(ids) > 150
+
+    def logits(weights: str) -> torch.Tensor:
+        if _unsupported(weights, loaded) is not None:
+            pytest.skip(f"{weights} weights cannot run here: {_unsupported(weights, loaded)}")
+        forward = select_weights(model, layout, weights, loaded.gguf_file).forward
+        return forward([PackedRow(KVBlock(pass_layout(layout, forward)), ids, len(ids))])[0]
+
+    reference = logits("fused")
+    safe, agreed = greedy_margins(reference, logits("gguf-q16"))
+    assert safe >= 0.97 and agreed == 1.0, (safe, agreed)
+    eight_bits, _ = greedy_margins(reference, logits("gguf-q8"))
+    assert eight_bits < safe, (eight_bits, safe)
+
+
 def test_client_rejects_unknown_weights_before_loading():
     with pytest.raises(InvalidRequestError, match="Unknown `weights` 'int4'.*'auto', 'eager', 'onednn', 'fused'"):
         agentspec.Client(weights="int4")
