@@ -26,7 +26,7 @@ from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
-from .conftest import decode, drafted_matching_plain
+from .conftest import decode, drafted_matching_plain, greedy_margins
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
@@ -385,7 +385,8 @@ def test_the_integer_pass_holds_on_real_statistics(tmp_path):
     residual channels, key biases of ±150, small embedding rows) the integer pass ("gguf-q16": rows
     rounded to 16 bits per block of 32 — a block holding a massive channel rounds the rest of its
     block coarsely) keeps float32 keys, stays within a tenth of its tolerance of the model, and
-    chooses every greedy token of 200 positions of text as the float32-row pass does."""
+    chooses every greedy token of 200 positions as the float32-row pass does, nearly all of them
+    by construction (``conftest.greedy_margins``)."""
     model, found, channels = real_statistics_model()
     use_packed_attention(model)
     ids = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
@@ -398,7 +399,8 @@ def test_the_integer_pass_holds_on_real_statistics(tmp_path):
     assert passes["q16"].kv_dtypes == (torch.float32, torch.float16)
     assert check_packed(model, layout.with_dtype(*passes["q16"].kv_dtypes), NEAR_TOLERANCE / 10, forward=passes["q16"]) < NEAR_TOLERANCE / 10
     logits = {name: forward([PackedRow(KVBlock(layout.with_dtype(*forward.kv_dtypes)), ids.tolist(), len(ids))])[0] for name, forward in passes.items()}
-    assert torch.equal(logits["float32"].argmax(-1), logits["q16"].argmax(-1))
+    safe, agreed = greedy_margins(logits["float32"], logits["q16"])
+    assert safe >= 0.97 and agreed == 1.0, (safe, agreed)
 
 
 def test_matrices_of_types_the_kernels_do_not_read_are_named_in_one_line(loaded, tmp_path, caplog):
