@@ -135,6 +135,7 @@ class AutoCallGrammar:
         self._states = States()
         self._next: dict[tuple[int, int], int | None] = {}
         self._masks: dict[int, torch.Tensor] = {}
+        self._forced: dict[int, list[int]] = {}  # at fixed text (one encoding per alternative still open)
         self._lock = threading.Lock()
         vocab, device = compiler.vocab_size, compiler.device
         self._free = torch.ones(vocab, dtype=torch.bool, device=device)
@@ -361,11 +362,22 @@ class AutoCallGrammar:
             return inner[0].forced(inner[1])
         if key[0] != "fixed":
             return []
+        with self._lock:
+            cached = self._forced.get(state)
+        if cached is None:
+            cached = self._forced_from_fixed(key)
+            with self._lock:
+                self._forced[state] = cached
+        return cached
+
+    def _forced_from_fixed(self, key: tuple[Any, ...]) -> list[int]:
+        """``forced`` at fixed text: the first open alternative's canonical tokens and what the
+        arguments' grammar forces after them; for a further call's open tools, their shared tokens."""
         _, part, style, _, live = key
         spellings = [self.compiler.encode(rest) for rest in self._rests(key)]
         if part == "next" and len(live) > 1:  # no tool likelier than another: up to where the names part
             shared = 0
-            while all(len(s) > shared + 1 and s[shared] == spellings[0][shared] for s in spellings):
+            while all(len(spelling) > shared + 1 and spelling[shared] == spellings[0][shared] for spelling in spellings):
                 shared += 1
             return spellings[0][:shared]
         after = self._inner(self._after(part, style, live[0]))
