@@ -46,10 +46,15 @@ LOOKUP = {
         "parameters": {"type": "object", "properties": {"values": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}}, "required": ["values"]},
     },
 }
+PICK = {
+    "type": "function",
+    "function": {"name": "pick", "parameters": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]}},
+}
 SPECS = tuple(parse_tools([MULTIPLY, LOOKUP], "auto")[0])
-PARAMETERS = {t.name: t.parameters for t in SPECS}
+PARAMETERS = {t.name: t.parameters for t in parse_tools([MULTIPLY, LOOKUP, PICK], "auto")[0]}
 FAMILY = {fmt.family: fmt for fmt in FORMATS}  # one Mistral spelling is enough here
 PYTHON_TAG = "<|python_tag|>"
+FUNCTION_TAGS = ("<function=", '<function name="')
 
 
 class Scripted:
@@ -159,6 +164,23 @@ def finish_call(grammar, compiler, state: int, tokens: list[int], limit: int = 2
     return tokens
 
 
+def follow(grammar, compiler, state: int, tokens: list[int], text: bytes) -> int:
+    """Go on writing ``text`` (past the bytes of ``tokens``) under the grammar's masks: each step the
+    longest allowed token that agrees with the rest of it, until it is written (``tokens`` grows)."""
+    written = b"".join(grammar.markers.get(t, compiler.token_bytes[t]) for t in tokens)
+    rest = text[len(written) :]
+    while rest:
+        pieces = {t: compiler.token_bytes[t] for t in grammar.mask(state).nonzero().flatten().tolist()}
+        allowed = [t for t, piece in pieces.items() if piece and (rest.startswith(piece) or piece.startswith(rest))]
+        if not allowed:
+            break
+        token = max(allowed, key=lambda t: len(pieces[t]))
+        state = grammar.next_state(state, token)
+        tokens.append(token)
+        rest = rest[len(compiler.token_bytes[token]) :]
+    return state
+
+
 def calls_of(text: str) -> list[agentspec.ToolCall]:
     parser = ToolCallParser()
     events = parser.feed(CallTranscriber().feed(text)) + parser.finish()
@@ -176,8 +198,23 @@ OPENINGS = [
     ("hermes", '\n{"name": "multiply"', ""),
     ("hermes", '<function=multiply_all>', "</function>"),  # Hermes 2 Pro's tag (llama.cpp takes it too)
     ("hermes", ' <function name="multiply">', "</function>"),
+    # the other tags and fence llama.cpp's Hermes 2 Pro handler takes, a fence before a tag
+    ("hermes", '<tools>\n{"name": "multiply", "', "\n</tools>"),
+    ("hermes", '<json>{"name":"multiply_all","', "\n</json>"),
+    ("hermes", '```xml\n{"name": "multiply"', "\n```"),
+    ("hermes", '```xml\n<tool_call>\n{"name": "multiply_all"', "\n</tool_call>\n```"),
+    ("hermes", '```json\n <tools> {"name": "multiply"', "\n</tools>\n```"),
+    ("hermes", '<function_call>\n{"name": "multiply"', "\n</function_call>"),
+    ("hermes", '<response>{"name": "multiply"', "\n</response>"),
+    ("hermes", '<tool>\n{"name": "multiply"', "\n</tool>"),
+    ("hermes", '<JSON>\n{"name": "multiply"', "\n</JSON>"),
+    ("hermes", '<xml>\n[{"name": "multiply"', "]\n</xml>"),
     ("llama3", '{"name": "multiply", "', ""),
     ("llama3", PYTHON_TAG + '{"name": "multiply_all"', ""),
+    # the key the model writes, whichever family
+    ("llama3", '{"name": "multiply", "arguments"', ""),
+    ("hermes", '<tool_call>\n{"name": "multiply", "param', "\n</tool_call>"),
+    (None, '{"name":"multiply_all","parameters', ""),
     ("mistral", '[TOOL_CALLS] [{"name": "multiply", "', "]"),
     ("mistral", '[{"name": "multiply"', "]"),
 ]
@@ -190,6 +227,12 @@ TEXTS = [
     '{"name": "multiply_alls"',
     "<function=divide>",
     "<functions>",
+    "<tools> are listed above",
+    '<json>{"result": 42}</json>',
+    "```xml\n<root/>",
+    '```xml\n<tool_call>\n{"name": "divide"',
+    '<tools>\n{"name": "multiply_all_of_them"',
+    'Use <tools>{"name": "multiply", "arguments": {"a": 6}}',  # prose with an inline tag
 ]
 
 
@@ -209,16 +252,18 @@ def test_an_opening_decides_a_call_whatever_the_tokenization(vocab, family, open
             if not grammar.undecided(state):
                 break
         assert grammar.is_call(state), (opening, tokens)
+        state = follow(grammar, compiler, state, written, opening.encode())  # the rest: a key the model chose
         tokens = finish_call(grammar, compiler, state, written)  # on from the bytes written (a token may straddle the name's end)
         text = b"".join(compiler.token_bytes[t] if t not in grammar.markers else grammar.markers[t] for t in tokens).decode()
         (call,) = calls_of(text)
         assert call.name in opening and text.endswith("}" + closing), text
-        if "<function" in opening:  # the arguments alone inside the tag
+        if opening.lstrip().startswith(FUNCTION_TAGS):  # the arguments alone inside the tag
             assert text.startswith(opening) and text[len(opening)] == "{"
         else:
             assert text.startswith(opening[: opening.index('"', opening.index(call.name)) + 1]) and f'"{call.name}"' in text
-            key = "parameters" if family == "llama3" else "arguments"
-            assert f'"{key}":' in text  # the family's key, whichever the opening
+            own = "parameters" if family == "llama3" else "arguments"
+            key = "parameters" if '"param' in opening else "arguments" if '"arg' in opening else own
+            assert f'"{key}":' in text  # the key the model wrote, else the family's, whichever the opening
         jsonschema.validate(call.arguments, PARAMETERS[call.name])
         outputs.add(text)
     assert len(outputs) == 1  # the same call however the opening was tokenized
@@ -272,6 +317,31 @@ def test_text_openings_and_prose_stay_text(vocab, family, text):
     assert state == grammar.TEXT and grammar.unconstrained(state) and not grammar.is_call(state)
 
 
+@pytest.mark.parametrize("family", [None, "hermes", "llama3", "mistral"])
+def test_the_arguments_key_follows_the_models_bytes(vocab, family):
+    """After the name either key may follow, in every family: the mask allows the first token of
+    each, the family's own is drafted, and the call transcribes the same whichever was written."""
+    _, tokenizer, _, compiler = vocab
+    grammar = AutoCallGrammar(compiler, SPECS, FAMILY.get(family), parallel=False)
+    opening = '[{"name": "multiply", "' if family == "mistral" else '{"name": "multiply", "'
+    tokens = tokenizer.encode(opening, add_special_tokens=False)
+    start = grammar.initial_state
+    for token in tokens:
+        start = grammar.next_state(start, token)
+    own = "parameters" if family == "llama3" else "arguments"
+    firsts = {key: compiler.encode(key.encode())[0] for key in ("arguments", "parameters")}
+    assert grammar.is_call(start) and int(grammar.mask(start).sum()) == 2 and all(bool(grammar.mask(start)[t]) for t in firsts.values())
+    assert grammar.forced(start)[0] == firsts[own]
+    calls = {}
+    for key, first in firsts.items():
+        text = b"".join(compiler.token_bytes[t] for t in finish_call(grammar, compiler, grammar.next_state(start, first), [*tokens, first])).decode()
+        other = "parameters" if key == "arguments" else "arguments"
+        assert text.startswith(f'{opening}{key}": {{') and f'"{other}"' not in text, text  # the rest forced from the key written
+        (calls[key],) = calls_of(text)
+    assert calls["arguments"].name == calls["parameters"].name == "multiply"
+    assert calls["arguments"].arguments == calls["parameters"].arguments
+
+
 def test_several_calls_in_each_opening(vocab):
     """Parallel calls: another fence or tag after a complete call, or the next item of a list; the
     name of each further call is constrained to the tools."""
@@ -281,6 +351,9 @@ def test_several_calls_in_each_opening(vocab):
         ("hermes", '<tool_call>\n{"name": "multiply", "', '\n<tool_call>\n{"name": '),
         ("mistral", '[{"name": "multiply", "', ', {"name": '),
         (None, '{"name":"multiply","', '\n{"name":'),
+        ("hermes", "<function=multiply>", "\n<function="),
+        ("hermes", '<function name="multiply_all">', '\n<function name="'),
+        ("hermes", '```xml\n<tools>\n{"name": "multiply", "', '\n```xml\n<tools>\n{"name": '),
     ]:
         grammar = AutoCallGrammar(compiler, SPECS, FAMILY.get(family), parallel=True)
         state = grammar.initial_state
@@ -327,6 +400,8 @@ SCRIPTS = [
     ("llama3", '{"name": "multiply"'),
     ("mistral", '[{"name": "multiply"'),
     ("hermes", "<function=multiply>"),
+    ("llama3", '{"name": "multiply", "arguments'),  # the other family's key
+    ("hermes", '```xml\n<tools>\n{"name": "multiply"'),
 ]
 QUESTION = [{"role": "user", "content": "What is 6 times 7? Use the multiply tool."}]
 
@@ -381,7 +456,15 @@ def qwen(loaded):
     return model, Engine(model)
 
 
-@pytest.mark.parametrize("opening", ['```json\n{"name": "multiply_all", "', '<tool_call>\n{"name": "multiply_all"'])
+@pytest.mark.parametrize(
+    "opening",
+    [
+        '```json\n{"name": "multiply_all", "',
+        '<tool_call>\n{"name": "multiply_all"',
+        '<tools>\n{"name": "multiply_all", "parameters',
+        '```xml\n<tool_call>\n{"name": "multiply_all"',
+    ],
+)
 def test_on_qwens_vocabulary_seeded_and_greedy_speculative_equals_plain(qwen, opening):
     """The random model's arguments are bounded (a list of at most 3 small enums), so its calls end."""
     model, engine = qwen
@@ -401,6 +484,64 @@ def test_on_qwens_vocabulary_seeded_and_greedy_speculative_equals_plain(qwen, op
             jsonschema.validate(call.arguments, PARAMETERS["multiply_all"])
             calls += 1
     assert calls  # the random model's calls end within max_tokens: the forced closing is exercised
+
+
+@pytest.mark.parametrize("opening", ["<function=multiply_all>", '<tools>\n{"name": "multiply_all", "'])
+def test_several_calls_on_qwens_vocabulary_speculative_equals_plain(qwen, opening):
+    """Parallel calls in a function tag and in a Hermes tag: a scripted first call and the first token
+    of another (the random model would seldom write one); the model chooses the next call's tool (one
+    of two) and writes its arguments and closing, greedy and seeded, speculative == plain."""
+    model, engine = qwen
+    compiler, tools = model.grammars, (SPECS[1], *parse_tools([PICK], "auto")[0])
+    grammar = AutoCallGrammar(compiler, tools, FAMILY["hermes"], parallel=True)
+    prefix, state = compiler.encode(opening.encode()), grammar.initial_state
+    for token in prefix:
+        state = grammar.next_state(state, token)
+    (newline,) = compiler.encode(b"\n")
+    prefix = [*finish_call(grammar, compiler, state, prefix, until=newline), newline]  # a whole first call, then another
+    prompt = model.chat.encode(QUESTION, tools)
+    ended = 0
+    for seed in (None, 2):
+        plain, pinned = (
+            decode(engine, prompt, GenerationParams(max_tokens=64, temperature=0.0 if seed is None else 1.0, seed=seed, spec=spec), grammar=Scripted(prefix, grammar, model.vocab_size))[0]
+            for spec in (SpecConfig(enabled=False), SpecConfig(max_draft_tokens=8, adaptive=False))
+        )
+        assert pinned.output_ids == plain.output_ids, seed
+        text = b"".join(model.token_bytes[t] for t in plain.output_ids).decode(errors="replace")
+        if plain.finish_reason == "stop":
+            calls = calls_of(text)
+            assert len(calls) >= 2 and [c.index for c in calls] == list(range(len(calls))), text
+            for call in calls:
+                jsonschema.validate(call.arguments, PARAMETERS[call.name])
+            ended += 1
+    assert ended  # the further call ends within max_tokens: its name, arguments and closing are exercised
+
+
+async def test_the_default_model_calls_with_the_key_it_writes_and_never_under_none(client, loaded):
+    """The real default model imitates a call it was shown (as text) with either key: under "auto" the
+    same ToolCall comes back whichever key it wrote, speculative == plain; under "none" the same
+    opening stays text."""
+    from agentspec.bench.workloads import WEATHER_TOOL as WEATHER
+
+    calls = []
+    for key in ("parameters", "arguments"):
+        messages = [
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "content": f'{{"name": "get_weather", "{key}": {{"city": "Paris"}}}}'},
+            {"role": "user", "content": "18°C, cloudy"},
+            {"role": "assistant", "content": "It is 18°C and cloudy in Paris."},
+            {"role": "user", "content": "What's the weather in Rome?"},
+        ]
+        spec = await client.generate(messages, tools=[WEATHER], max_tokens=40)
+        plain = await client.generate(messages, tools=[WEATHER], max_tokens=40, speculative=False)
+        none = await client.generate(messages, tools=[WEATHER], tool_choice="none", max_tokens=40)
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == "tool_calls"
+        assert f'"{key}":' in loaded.tokenizer.decode(spec.token_ids)  # the key the model wrote, kept
+        assert none.tool_calls == [] and none.text.startswith(f'{{"name": "get_weather", "{key}":')
+        (call,) = spec.tool_calls
+        jsonschema.validate(call.arguments, WEATHER["function"]["parameters"])
+        calls.append((call.name, call.arguments))
+    assert calls[0] == calls[1] and calls[0][0] == "get_weather" and calls[0][1]["city"] == "Rome"
 
 
 @pytest.mark.parametrize("opening", ['Here: {"name": "multiply"', '```json\n{"names"', ' {"name": "multiplied"'])
