@@ -36,10 +36,10 @@ $(STAMP): $(DEMO_STAMP) integrations/langchain/pyproject.toml integrations/llama
 		status=$$?; rm -rf $$tmp; exit $$status; }
 	# ARM's kernels are built into an aarch64 wheel with Debian's cross compiler and checked under
 	# qemu-user, and clang builds every level (a stand-in for Apple's compiler; tests/test_wheel.py)
-	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v clang >/dev/null || \
+	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v clang >/dev/null && command -v gcc-11 >/dev/null || \
 		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user clang >/dev/null; } || \
-		echo "no aarch64 cross compiler, qemu-user or clang: install gcc-aarch64-linux-gnu, qemu-user and clang to test the ARM kernels and clang's builds"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user clang gcc-11 >/dev/null; } || \
+		echo "no aarch64 cross compiler, qemu-user, clang or gcc-11: install gcc-aarch64-linux-gnu, qemu-user, clang and gcc-11 to test the ARM kernels and the oldest compilers' builds"
 	touch $(STAMP)
 
 install: $(STAMP)
