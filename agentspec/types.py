@@ -117,6 +117,9 @@ class Limits(BaseModel):
     Requests may come from strangers (``agentspec serve``), so what one request can make the client
     keep is bounded too: ``max_json_depth`` caps how deeply messages, tools and schemas nest (deeper
     JSON is refused before any work; recursive validators would otherwise overflow the stack);
+    ``max_json_values`` caps the values (keys included) of a request body that ``agentspec serve``
+    reads, counted from its text before it is parsed (parsing holds the GIL throughout, and the
+    server's event loop waits: 30 ms of CPU for 200,000 values);
     ``max_tags`` caps the distinct ``tag`` values with metrics of their own (later tags are counted
     together under ``"(other)"``); ``max_shadow_rate`` caps a request's ``SpecConfig.shadow_rate``
     (shadow checks re-decode a request, so a caller could otherwise double the engine's work).
@@ -138,6 +141,7 @@ class Limits(BaseModel):
     abandon_after_s: float = Field(60.0, gt=0, description="a stream unread this long with its output backed up is freed")
     max_pending_events: int = Field(64, ge=1, description="a request's steps not yet read by its consumer before it pauses")
     max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of messages, tools and schemas a request may send")
+    max_json_values: int = Field(50_000, ge=100, description="most JSON values (keys included) a request body may hold (agentspec serve)")
     max_tags: int = Field(64, ge=0, description="distinct request tags with metric series of their own; more count as '(other)'")
     max_shadow_rate: float = Field(1.0, ge=0.0, le=1.0, description="highest SpecConfig.shadow_rate a request gets; higher is capped")
     max_grammar_chars: int = Field(200_000, ge=1_000, description="longest regular expression a schema's grammar may have (bounded before it is built)")
