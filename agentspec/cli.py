@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grammar-timeout-s", type=float, default=Limits().grammar_timeout_s, help="seconds a grammar may take to build (then HTTP 400 grammar_timeout)")
     serve.add_argument("--grammar-processes", type=int, default=2,
                        help="grammar indexes built at once, each in a child process killed at --grammar-timeout-s (0: on threads in the server)")
-    serve.add_argument("--grammar-cache-mb", type=float, default=Limits().grammar_cache_mb, help="built grammars kept for later requests, MiB")
+    serve.add_argument("--grammar-cache-mb", type=float, default=Limits().grammar_cache_mb, help="built grammars and their per-state masks kept for later requests, MiB")
     serve.add_argument("--template-timeout-s", type=float, default=Limits().template_timeout_s,
                        help="seconds rendering the chat template and tokenizing a prompt may take (then HTTP 400 template_timeout)")
     serve.add_argument("--shadow-rate", type=float, default=0.0, help="the most of a request's speculative.shadow_rate honoured (default 0: no shadow checks)")

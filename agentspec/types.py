@@ -127,7 +127,8 @@ class Limits(BaseModel):
     expression would exceed ``max_grammar_chars`` (bounded from the schema, never built to be
     measured); its token index is built on a pool of its own and refused after
     ``grammar_timeout_s`` (with ``grammar_processes`` > 0 it is built in a child process, killed at
-    the limit; on a thread it cannot be stopped and finishes unseen); built grammars are kept up to ``grammar_cache_mb``. Rendering the chat
+    the limit; on a thread it cannot be stopped and finishes unseen); built grammars, with the masks
+    of the states they reach, are kept up to ``grammar_cache_mb``. Rendering the chat
     template and tokenizing a prompt are refused after ``template_timeout_s`` (a template that
     loops is stopped). Each refusal is a ``LimitExceededError`` naming its field.
     """
@@ -146,7 +147,7 @@ class Limits(BaseModel):
     max_shadow_rate: float = Field(1.0, ge=0.0, le=1.0, description="highest SpecConfig.shadow_rate a request gets; higher is capped")
     max_grammar_chars: int = Field(200_000, ge=1_000, description="longest regular expression a schema's grammar may have (bounded before it is built)")
     grammar_timeout_s: float = Field(30.0, gt=0, description="seconds a grammar's token index may take to build")
-    grammar_cache_mb: float = Field(256, ge=0, description="built grammars kept for later requests, MiB")
+    grammar_cache_mb: float = Field(256, ge=0, description="built grammars and their per-state masks kept for later requests, MiB")
     grammar_processes: int = Field(0, ge=0, le=64, description="grammar indexes built at once in child processes, killed at grammar_timeout_s; 0 = on threads here")
     template_timeout_s: float = Field(5.0, gt=0, description="seconds rendering the chat template and tokenizing a prompt may take")
 
