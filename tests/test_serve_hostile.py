@@ -304,13 +304,17 @@ def test_keys_file_and_tenant_salts(tmp_path):
     assert salted(a, b) != b and salted(a, {"not": "a string"}) == {"not": "a string"}  # left for validation to refuse
 
 
-async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loaded):
+@pytest.mark.parametrize("grammar_processes", [0, 1], ids=["threads", "child-process"])
+async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loaded, grammar_processes):
     """The same limits hold without a server: ``Limits.template_timeout_s`` (here 50 ms; tokenizing
-    500,000 characters takes over a second) and ``grammar_timeout_s`` on the client's grammar
-    threads (``grammar_processes=0``, the embedded default)."""
+    500,000 characters takes over a second) and ``grammar_timeout_s``, on the client's grammar
+    threads (``grammar_processes=0``, the embedded default: the build finishes unseen) or, opted in,
+    in a child process that is killed at the limit, and whose grammars serve requests as a thread's do."""
+    import multiprocessing
+
     from agentspec.errors import LimitExceededError
 
-    limits = agentspec.Limits(template_timeout_s=0.05, grammar_timeout_s=GRAMMAR_TIMEOUT_S)
+    limits = agentspec.Limits(template_timeout_s=0.05, grammar_timeout_s=GRAMMAR_TIMEOUT_S, grammar_processes=grammar_processes)
     async with agentspec.Client(limits=limits) as client:  # reuses the loaded weights
         with pytest.raises(LimitExceededError, match="template_timeout_s") as refused:
             client.stream([{"role": "user", "content": "word " * 100_000}])
@@ -320,3 +324,15 @@ async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loa
             async with stream:
                 pass
         assert refused.value.code == "grammar_timeout" and client.pending_requests == 0
+        if grammar_processes:
+            for _ in range(100):  # killed at the limit; joined by the grammar thread, which may report a moment later
+                if not [child for child in multiprocessing.active_children() if child.name == "agentspec-grammar"]:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the grammar's child process outlived its time limit")
+    if grammar_processes:  # a grammar built in a child process serves its request (a limit no build on a busy machine reaches)
+        async with agentspec.Client(limits=agentspec.Limits(grammar_processes=grammar_processes)) as client:
+            schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+            done = await client.generate(QUESTION, response_format=json_schema(schema), max_tokens=16)
+            assert done.finish_reason == "stop" and isinstance(json.loads(done.text)["n"], int)

@@ -17,6 +17,7 @@ import multiprocessing
 import pickle
 import threading
 import time
+from multiprocessing import forkserver
 from typing import Any, Callable
 
 from ..errors import LimitExceededError
@@ -53,6 +54,7 @@ class ProcessIndexBuilder:
         self._turns = threading.BoundedSemaphore(processes)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload([__name__])  # children start with outlines_core and this module imported
+        forkserver.ensure_running()  # now (a second: it imports outlines_core), not within the first request's time limit
 
     def __call__(self, regex: str) -> tuple[Any, int]:
         deadline = time.monotonic() + self.timeout_s
