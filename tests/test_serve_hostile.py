@@ -2,7 +2,8 @@
 loopback, with two API keys (two tenants) and the prefix cache on.
 
 - a table of hostile requests, each answered with its typed 4xx (and the server serving on);
-- tenants: one key's prompt is not a cache hit for another key (``cached_prompt_tokens``);
+- tenants: one key's prompt is not a cache hit for another key (``cached_prompt_tokens``), unless a
+  server started with ``--share-caches`` (its own process, for that test) is told to share;
 - a flood of hostile requests beside one well-formed request, whose output must equal the same
   request's on the quiet server, while the server's resident memory and event-loop stall (measured
   inside the server: ``agentspec_event_loop_lag_max_seconds`` on ``/metrics``) stay within bounds.
@@ -158,10 +159,27 @@ async def test_unicode_edge_cases_that_are_text_are_served(http, model):
     assert reply.status_code == 200, reply.text[:300]
 
 
-async def test_tenants_do_not_share_cached_prompts(server, model):
+@pytest.fixture(params=["own-caches", "shared-caches"])
+def tenants(request) -> tuple[str, bool]:
+    """(a server with keys A and B, whether it shares caches between them): the module's server, or
+    one started with ``--share-caches`` for this test alone (stopped before the flood runs)."""
+    if request.param == "own-caches":
+        return request.getfixturevalue("server"), False
+    process = agentspec_serve(
+        "--api-key", KEY_A, "--api-key", KEY_B, "--share-caches", "--prefix-cache-mb", "64", start_timeout_s=START_TIMEOUT_S,
+    )  # fmt: skip
+    request.addfinalizer(process.stop)
+    url = process.wait_ready()
+    assert any("2 API keys (tenants, caches shared)" in line for line in process.lines)
+    return url.removesuffix("/v1"), True
+
+
+async def test_tenants_share_cached_prompts_only_when_the_server_is_told(tenants, model):
     """Before: one key, one prefix cache: ``cached_tokens`` told a caller that another had sent the
     same prompt. Now each key is a tenant: its own prompt is a hit, another tenant's identical prompt
-    reuses nothing but the chat template's own opening (which every prompt starts with)."""
+    reuses nothing but the chat template's own opening (which every prompt starts with) — unless the
+    server is started with ``--share-caches``, where B's request reuses A's prompt."""
+    server, shared = tenants
 
     def body(text: str) -> dict:
         return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
@@ -181,8 +199,11 @@ async def test_tenants_do_not_share_cached_prompts(server, model):
     first = await cached(KEY_A, secret)
     again = await cached(KEY_A, secret)
     assert again > first + 30  # the same tenant's prompt is reused
-    assert await cached(KEY_B, secret) <= opening  # another tenant's identical prompt: nothing of A's
-    assert await cached(KEY_B, secret) > opening + 30  # and B's own copy is reused by B
+    if shared:
+        assert await cached(KEY_B, secret) > opening + 30  # one tenant: A's prompt is reused for B
+    else:
+        assert await cached(KEY_B, secret) <= opening  # another tenant's identical prompt: nothing of A's
+        assert await cached(KEY_B, secret) > opening + 30  # and B's own copy is reused by B
     async with client_for(server, "not-a-key") as stranger:
         assert (await stranger.post(CHAT, json=body(secret))).status_code == 401
 
