@@ -111,6 +111,7 @@ HOSTILE = [
     ("giant-logit-bias", {"logit_bias": {str(i): 100 for i in range(100_000)}}, 400, "json_too_many_values", "max_json_values"),
     ("logit-bias", {"logit_bias": {str(i): 100 for i in range(1_000)}}, 400, "unsupported_feature", "logit_bias"),
     ("megabyte-system-prompt", {"messages": [{"role": "system", "content": "lorem ipsum " * 90_000}, *QUESTION]}, 400, "context_length_exceeded", "context window"),
+    ("megabyte-tool-description", {"tools": [{"type": "function", "function": {"name": "f", "description": "lorem ipsum " * 90_000}}]}, 400, "context_length_exceeded", "context window"),
     ("lone-surrogate", '{"model": MODEL, "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None, "surrogate"),
     ("bad-cache-salt", {"cache_salt": {"tenant": "other"}}, 400, None, "cache_salt"),
     ("slow-grammar", lambda: {"response_format": json_schema(slow_schema())}, 400, "grammar_timeout", "--grammar-timeout-s"),
@@ -303,6 +304,18 @@ def test_fuzzed_messages_are_encoded_or_refused_with_a_typed_error(loaded, messa
     except agentspec.InvalidRequestError:
         return
     assert ids and all(isinstance(i, int) for i in ids)
+
+
+def test_tools_count_toward_the_length_checked_before_tokenizing(loaded):
+    """Before: only the messages' text was counted, so a tool with a megabyte description was rendered
+    and tokenized (2.8 s for 3.5 MB: 1.46 million tokens, turned into Python lists holding the GIL
+    ~80 ms) before the context window refused it. Its text now counts, and it is refused unread."""
+    from agentspec.structured.tools import ToolSpec
+
+    tool = ToolSpec("f", "lorem ipsum " * 90_000, {"type": "object", "properties": {}})
+    with pytest.raises(agentspec.ContextLengthError, match="messages and tools hold 1080"):
+        loaded.chat.encode(QUESTION, [tool], max_chars=100_000)
+    assert loaded.chat.encode(QUESTION, [ToolSpec("f", "lorem ipsum", {"type": "object"})], max_chars=100_000)
 
 
 # -- tenants without a server: keys file, salts ------------------------------------------------------
