@@ -220,10 +220,16 @@ def loop_lag(text: str) -> tuple[float, dict[str, int]]:
     return worst, over
 
 
-FLOOD_REQUESTS = 400  # hostile requests sent (the issue's target is 1,000: sized to ~30 s on 2 cores)
+FLOOD_REQUESTS = 1000  # hostile requests sent: the issue's target
 FLOOD_CONCURRENCY = 8
 MEMORY_BOUND_MB = 100  # the issue's target
-STALL_BOUND_S = 0.5  # the issue's target is 0.1 s; the test machine is shared with other work, so the bound is generous
+# The issue's target: no wake-up of the server's loop watcher later than 0.1 s, but one. On a 2-core
+# machine shared with other work the OS itself now and then leaves the loop without a core: measured
+# (December 2026, 2-core Zen 4) once in four floods at load 7 and never at load 3 or below, where the
+# server's own worst was 0.05 s. Before (dc246f7, the same machine): 2 to 28 such wake-ups a flood.
+STALL_BOUND_S = 0.1
+STALLS_ALLOWED = 1
+HARD_STALL_BOUND_S = 0.25  # and none later than this
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's resident memory from /proc")
@@ -232,8 +238,9 @@ async def test_a_flood_of_hostile_requests_leaves_a_benign_one_unchanged(server,
     ``HOSTILE`` (except the megabyte prompt and the slow grammar, sent one in 20: they cost a core for
     a second or more each), while one well-formed request decodes 48 tokens beside them. Its text
     must equal the same request's on the quiet server; the server's resident memory must grow less
-    than ``MEMORY_BOUND_MB`` and no wake-up of the server's loop watcher may come later than
-    ``STALL_BOUND_S`` (both read from the server process itself)."""
+    than ``MEMORY_BOUND_MB``, at most ``STALLS_ALLOWED`` wake-ups of the server's loop watcher may
+    come later than ``STALL_BOUND_S`` and none later than ``HARD_STALL_BOUND_S`` (both read from the
+    server process itself)."""
     benign = {"model": model, "messages": [{"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 48, "cache_salt": "benign"}
     quiet = await post(http, benign)
     assert quiet.status_code == 200
@@ -273,7 +280,9 @@ async def test_a_flood_of_hostile_requests_leaves_a_benign_one_unchanged(server,
           f"(before {lag_before:.3f} s); wake-ups late by over 0.05 s: {over_after['0.05'] - over_before['0.05']}, "
           f"over 0.1 s: {over_after['0.1'] - over_before['0.1']}")
     assert rss_growth < MEMORY_BOUND_MB
-    assert over_after[f"{STALL_BOUND_S:g}"] == over_before[f"{STALL_BOUND_S:g}"], f"the event loop stalled past {STALL_BOUND_S} s"
+    stalls = over_after[f"{STALL_BOUND_S:g}"] - over_before[f"{STALL_BOUND_S:g}"]
+    assert stalls <= STALLS_ALLOWED, f"the event loop stalled past {STALL_BOUND_S} s {stalls} times"
+    assert over_after[f"{HARD_STALL_BOUND_S:g}"] == over_before[f"{HARD_STALL_BOUND_S:g}"], f"the event loop stalled past {HARD_STALL_BOUND_S} s"
 
 
 # -- fuzz: message lists, in this process (no server) -----------------------------------------------
