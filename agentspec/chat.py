@@ -235,20 +235,22 @@ class ChatFormat:
         model wants it (``add_bos``). Text inside messages never becomes a special token: a message
         that contains ``<|im_start|>`` and the like cannot open a role of its own (prompt injection).
 
-        max_chars: messages whose text alone is longer are refused (``ContextLengthError``) before
-        anything is rendered or tokenized: the context window times the longest token's length, so
-        only prompts that could never fit are refused (tokenizing a megabyte costs seconds and
-        hundreds of megabytes)."""
+        max_chars: messages and tools whose text alone is longer (the tools' names, descriptions and
+        parameter schemas as JSON, which the template writes into the prompt) are refused
+        (``ContextLengthError``) before anything is rendered or tokenized: the context window times
+        the longest token's length, so only prompts that could never fit are refused (tokenizing a
+        megabyte costs seconds and hundreds of megabytes, and turning its ids into Python lists holds
+        the GIL)."""
         if max_chars is not None:
-            self._check_length(messages, max_chars)
+            self._check_length(messages, tools, max_chars)
         ids = self._encode(messages, tools)
         return [self.bos_id, *ids] if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
 
     @staticmethod
-    def _check_length(messages: Any, max_chars: int) -> None:
+    def _check_length(messages: Any, tools: Sequence[ToolSpec], max_chars: int) -> None:
         if not isinstance(messages, list):
             return  # normalize_messages refuses it with its own message
-        chars = 0
+        chars = sum(len(tool.name) + len(tool.description) + len(json.dumps(tool.parameters, ensure_ascii=False)) for tool in tools)
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
@@ -256,8 +258,8 @@ class ChatFormat:
             chars += sum(len(text) for text in texts if isinstance(text, str))  # anything else: normalize_messages refuses it
         if chars > max_chars:
             raise ContextLengthError(
-                f"The messages hold {chars} characters, more than the model's context window can take as tokens (at most "
-                f"{max_chars} characters); shorten the messages (drop old turns or trim documents)."
+                f"The messages and tools hold {chars} characters, more than the model's context window can take as tokens "
+                f"(at most {max_chars} characters); shorten the messages (drop old turns or trim documents) or the tools' descriptions."
             )
 
     def _encode(self, messages: Any, tools: Sequence[ToolSpec]) -> list[int]:

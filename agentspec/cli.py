@@ -99,13 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued", type=int, default=Limits().max_queued, help="requests waiting or running before new ones get HTTP 429")
     serve.add_argument("--prefix-cache-mb", type=float, default=Limits().prefix_cache_mb, help="keys/values kept for prefix reuse, MiB (0: off)")
     serve.add_argument("--max-json-depth", type=int, default=Limits().max_json_depth, help="deepest nesting of a request body (lists and objects); deeper: HTTP 400")
+    serve.add_argument("--max-json-values", type=int, default=Limits().max_json_values,
+                       help="most JSON values (keys included) a request body may hold, counted before it is parsed; more: HTTP 400")
     serve.add_argument("--max-tags", type=int, default=Limits().max_tags, help="distinct request tags with metric series of their own; later ones count as '(other)'")
     serve.add_argument("--max-grammar-chars", type=int, default=Limits().max_grammar_chars,
                        help="longest regex a schema's or tools' grammar may compile to, bounded before it is built; longer: HTTP 400 grammar_too_large")
     serve.add_argument("--grammar-timeout-s", type=float, default=Limits().grammar_timeout_s, help="seconds a grammar may take to build (then HTTP 400 grammar_timeout)")
     serve.add_argument("--grammar-processes", type=int, default=2,
                        help="grammar indexes built at once, each in a child process killed at --grammar-timeout-s (0: on threads in the server)")
-    serve.add_argument("--grammar-cache-mb", type=float, default=Limits().grammar_cache_mb, help="built grammars kept for later requests, MiB")
+    serve.add_argument("--grammar-cache-mb", type=float, default=Limits().grammar_cache_mb, help="built grammars and their per-state masks kept for later requests, MiB")
     serve.add_argument("--template-timeout-s", type=float, default=Limits().template_timeout_s,
                        help="seconds rendering the chat template and tokenizing a prompt may take (then HTTP 400 template_timeout)")
     serve.add_argument("--shadow-rate", type=float, default=0.0, help="the most of a request's speculative.shadow_rate honoured (default 0: no shadow checks)")

@@ -117,6 +117,9 @@ class Limits(BaseModel):
     Requests may come from strangers (``agentspec serve``), so what one request can make the client
     keep is bounded too: ``max_json_depth`` caps how deeply messages, tools and schemas nest (deeper
     JSON is refused before any work; recursive validators would otherwise overflow the stack);
+    ``max_json_values`` caps the values (keys included) of a request body that ``agentspec serve``
+    reads, counted from its text before it is parsed (parsing holds the GIL throughout, and the
+    server's event loop waits: 30 ms of CPU for 200,000 values);
     ``max_tags`` caps the distinct ``tag`` values with metrics of their own (later tags are counted
     together under ``"(other)"``); ``max_shadow_rate`` caps a request's ``SpecConfig.shadow_rate``
     (shadow checks re-decode a request, so a caller could otherwise double the engine's work).
@@ -124,7 +127,8 @@ class Limits(BaseModel):
     expression would exceed ``max_grammar_chars`` (bounded from the schema, never built to be
     measured); its token index is built on a pool of its own and refused after
     ``grammar_timeout_s`` (with ``grammar_processes`` > 0 it is built in a child process, killed at
-    the limit; on a thread it cannot be stopped and finishes unseen); built grammars are kept up to ``grammar_cache_mb``. Rendering the chat
+    the limit; on a thread it cannot be stopped and finishes unseen); built grammars, with the masks
+    of the states they reach, are kept up to ``grammar_cache_mb``. Rendering the chat
     template and tokenizing a prompt are refused after ``template_timeout_s`` (a template that
     loops is stopped). Each refusal is a ``LimitExceededError`` naming its field.
     """
@@ -138,11 +142,12 @@ class Limits(BaseModel):
     abandon_after_s: float = Field(60.0, gt=0, description="a stream unread this long with its output backed up is freed")
     max_pending_events: int = Field(64, ge=1, description="a request's steps not yet read by its consumer before it pauses")
     max_json_depth: int = Field(64, ge=2, le=512, description="deepest nesting of messages, tools and schemas a request may send")
+    max_json_values: int = Field(50_000, ge=100, description="most JSON values (keys included) a request body may hold (agentspec serve)")
     max_tags: int = Field(64, ge=0, description="distinct request tags with metric series of their own; more count as '(other)'")
     max_shadow_rate: float = Field(1.0, ge=0.0, le=1.0, description="highest SpecConfig.shadow_rate a request gets; higher is capped")
     max_grammar_chars: int = Field(200_000, ge=1_000, description="longest regular expression a schema's grammar may have (bounded before it is built)")
     grammar_timeout_s: float = Field(30.0, gt=0, description="seconds a grammar's token index may take to build")
-    grammar_cache_mb: float = Field(256, ge=0, description="built grammars kept for later requests, MiB")
+    grammar_cache_mb: float = Field(256, ge=0, description="built grammars and their per-state masks kept for later requests, MiB")
     grammar_processes: int = Field(0, ge=0, le=64, description="grammar indexes built at once in child processes, killed at grammar_timeout_s; 0 = on threads here")
     template_timeout_s: float = Field(5.0, gt=0, description="seconds rendering the chat template and tokenizing a prompt may take")
 

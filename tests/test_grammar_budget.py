@@ -222,11 +222,45 @@ def test_index_built_in_a_child_process_is_killed_at_its_time_limit(loaded):
         compiler.compile({}, regex="a{2,1}", build_index=isolated_build)  # the compiler refuses it in the child: its refusal, in agentspec's words
 
     quick = ProcessIndexBuilder(compiler.vocabulary, processes=1, timeout_s=0.3, on_timeout=timeout)
+    kept = len(compiler.cache)  # the grammar above, its masks and forced texts
     started = time.perf_counter()
     with pytest.raises(LimitExceededError, match="grammar_timeout_s"):
         compiler.compile(array_schema(11), build_index=quick)  # seconds to build
     assert time.perf_counter() - started < 20  # generous: the machine is shared
-    assert len(compiler.cache) == 1  # the refused build kept nothing
+    assert len(compiler.cache) == kept  # the refused build kept nothing
     import multiprocessing
 
     assert not [child for child in multiprocessing.active_children() if child.name == "agentspec-grammar"]
+
+
+def test_masks_are_kept_within_the_grammar_budget(loaded):
+    """Before: a grammar kept a [V] bool mask and a forced text for every state it reached, outside
+    ``Limits.grammar_cache_mb`` (the 1 KB constant below reaches ~500 states: 26 MB of masks for this
+    49,152-token vocabulary, more for larger ones, kept as long as the grammar). Now they are entries
+    of the compiler's cache, within its byte budget; a mask dropped is computed again when needed,
+    and a grammar in use stays more recent than its masks."""
+    import gc
+    import weakref
+
+    import torch
+
+    from agentspec.structured.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(loaded.token_bytes, loaded.tokenizer, loaded.stop_token_ids, loaded.device)
+    compiler.cache.max_bytes = 4 * 2**20  # room for ~80 masks
+    schema = {"const": " ".join(f"word{i}" for i in range(150))}
+    grammar = compiler.compile(schema)
+    start = grammar.initial_state
+    first = weakref.ref(grammar.mask(start))
+    expected = grammar.mask(start).clone()
+    state, reached = start, 0
+    while not grammar.is_complete(state):  # one token at a time, the one the grammar forces (or holds)
+        token = (grammar.forced(state) or [grammar.held(state)])[0]
+        assert bool(grammar.mask(state)[token])
+        state, reached = grammar.next_state(state, token), reached + 1
+    assert reached * compiler.vocab_size > 4 * compiler.cache.max_bytes  # the walk's masks would take the budget 4 times over
+    assert compiler.cache.bytes <= compiler.cache.max_bytes
+    gc.collect()
+    assert first() is None  # the first mask was dropped from the cache and freed
+    assert torch.equal(grammar.mask(start), expected)  # and is computed again the same
+    assert compiler.compile(schema) is grammar  # the grammar itself was kept: no second build

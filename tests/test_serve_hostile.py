@@ -2,7 +2,8 @@
 loopback, with two API keys (two tenants) and the prefix cache on.
 
 - a table of hostile requests, each answered with its typed 4xx (and the server serving on);
-- tenants: one key's prompt is not a cache hit for another key (``cached_prompt_tokens``);
+- tenants: one key's prompt is not a cache hit for another key (``cached_prompt_tokens``), unless a
+  server started with ``--share-caches`` (its own process, for that test) is told to share;
 - a flood of hostile requests beside one well-formed request, whose output must equal the same
   request's on the quiet server, while the server's resident memory and event-loop stall (measured
   inside the server: ``agentspec_event_loop_lag_max_seconds`` on ``/metrics``) stay within bounds.
@@ -100,14 +101,17 @@ def slow_schema() -> dict:
 HOSTILE = [
     ("nested-array-schema", {"response_format": json_schema(array_schema(22))}, 400, "grammar_too_large", "--max-grammar-chars"),
     ("nested-array-tool", {"tools": [tool("f", array_schema(25))], "tool_choice": "required"}, 400, "grammar_too_large", "tools[0]"),
-    ("huge-enum", {"response_format": json_schema({"enum": [f"value-{i}" for i in range(100_000)]})}, 400, "grammar_too_large", "max_grammar_chars"),
+    ("huge-enum", {"response_format": json_schema({"enum": [f"value-{i}" for i in range(100_000)]})}, 400, "json_too_many_values", "--max-json-values"),
+    ("long-enum", {"response_format": json_schema({"enum": [f"{i:06d}-" + "v" * 60 for i in range(4_000)]})}, 400, "grammar_too_large", "max_grammar_chars"),
     ("deep-anyOf", {"response_format": json_schema(deep_any_of(14))}, 400, "grammar_too_large", "max_grammar_chars"),
     ("any-depth", {"response_format": json_schema({"type": "array", "depth": 40})}, 400, "grammar_too_large", "max_grammar_chars"),
     ("many-tools", {"tools": [tool(f"tool_{i}") for i in range(1000)]}, 400, "context_length_exceeded", "context window"),
     ("long-stop", {"stop": ["x" * 100_000]}, 400, None, "`stop`"),
     ("many-stops", {"stop": [f"s{i}" for i in range(1000)]}, 400, None, "`stop`"),
-    ("giant-logit-bias", {"logit_bias": {str(i): 100 for i in range(100_000)}}, 400, "unsupported_feature", "logit_bias"),
+    ("giant-logit-bias", {"logit_bias": {str(i): 100 for i in range(100_000)}}, 400, "json_too_many_values", "max_json_values"),
+    ("logit-bias", {"logit_bias": {str(i): 100 for i in range(1_000)}}, 400, "unsupported_feature", "logit_bias"),
     ("megabyte-system-prompt", {"messages": [{"role": "system", "content": "lorem ipsum " * 90_000}, *QUESTION]}, 400, "context_length_exceeded", "context window"),
+    ("megabyte-tool-description", {"tools": [{"type": "function", "function": {"name": "f", "description": "lorem ipsum " * 90_000}}]}, 400, "context_length_exceeded", "context window"),
     ("lone-surrogate", '{"model": MODEL, "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None, "surrogate"),
     ("bad-cache-salt", {"cache_salt": {"tenant": "other"}}, 400, None, "cache_salt"),
     ("slow-grammar", lambda: {"response_format": json_schema(slow_schema())}, 400, "grammar_timeout", "--grammar-timeout-s"),
@@ -156,10 +160,27 @@ async def test_unicode_edge_cases_that_are_text_are_served(http, model):
     assert reply.status_code == 200, reply.text[:300]
 
 
-async def test_tenants_do_not_share_cached_prompts(server, model):
+@pytest.fixture(params=["own-caches", "shared-caches"])
+def tenants(request) -> tuple[str, bool]:
+    """(a server with keys A and B, whether it shares caches between them): the module's server, or
+    one started with ``--share-caches`` for this test alone (stopped before the flood runs)."""
+    if request.param == "own-caches":
+        return request.getfixturevalue("server"), False
+    process = agentspec_serve(
+        "--api-key", KEY_A, "--api-key", KEY_B, "--share-caches", "--prefix-cache-mb", "64", start_timeout_s=START_TIMEOUT_S,
+    )  # fmt: skip
+    request.addfinalizer(process.stop)
+    url = process.wait_ready()
+    assert any("2 API keys (tenants, caches shared)" in line for line in process.lines)
+    return url.removesuffix("/v1"), True
+
+
+async def test_tenants_share_cached_prompts_only_when_the_server_is_told(tenants, model):
     """Before: one key, one prefix cache: ``cached_tokens`` told a caller that another had sent the
     same prompt. Now each key is a tenant: its own prompt is a hit, another tenant's identical prompt
-    reuses nothing but the chat template's own opening (which every prompt starts with)."""
+    reuses nothing but the chat template's own opening (which every prompt starts with) — unless the
+    server is started with ``--share-caches``, where B's request reuses A's prompt."""
+    server, shared = tenants
 
     def body(text: str) -> dict:
         return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
@@ -179,8 +200,11 @@ async def test_tenants_do_not_share_cached_prompts(server, model):
     first = await cached(KEY_A, secret)
     again = await cached(KEY_A, secret)
     assert again > first + 30  # the same tenant's prompt is reused
-    assert await cached(KEY_B, secret) <= opening  # another tenant's identical prompt: nothing of A's
-    assert await cached(KEY_B, secret) > opening + 30  # and B's own copy is reused by B
+    if shared:
+        assert await cached(KEY_B, secret) > opening + 30  # one tenant: A's prompt is reused for B
+    else:
+        assert await cached(KEY_B, secret) <= opening  # another tenant's identical prompt: nothing of A's
+        assert await cached(KEY_B, secret) > opening + 30  # and B's own copy is reused by B
     async with client_for(server, "not-a-key") as stranger:
         assert (await stranger.post(CHAT, json=body(secret))).status_code == 401
 
@@ -196,10 +220,16 @@ def loop_lag(text: str) -> tuple[float, dict[str, int]]:
     return worst, over
 
 
-FLOOD_REQUESTS = 400  # hostile requests sent (the issue's target is 1,000: sized to ~30 s on 2 cores)
+FLOOD_REQUESTS = 1000  # hostile requests sent: the issue's target
 FLOOD_CONCURRENCY = 8
 MEMORY_BOUND_MB = 100  # the issue's target
-STALL_BOUND_S = 0.5  # the issue's target is 0.1 s; the test machine is shared with other work, so the bound is generous
+# The issue's target: no wake-up of the server's loop watcher later than 0.1 s, but one. On a 2-core
+# machine shared with other work the OS itself now and then leaves the loop without a core: measured
+# (December 2026, 2-core Zen 4) once in four floods at load 7 and never at load 3 or below, where the
+# server's own worst was 0.05 s. Before (dc246f7, the same machine): 2 to 28 such wake-ups a flood.
+STALL_BOUND_S = 0.1
+STALLS_ALLOWED = 1
+HARD_STALL_BOUND_S = 0.25  # and none later than this
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's resident memory from /proc")
@@ -208,8 +238,9 @@ async def test_a_flood_of_hostile_requests_leaves_a_benign_one_unchanged(server,
     ``HOSTILE`` (except the megabyte prompt and the slow grammar, sent one in 20: they cost a core for
     a second or more each), while one well-formed request decodes 48 tokens beside them. Its text
     must equal the same request's on the quiet server; the server's resident memory must grow less
-    than ``MEMORY_BOUND_MB`` and no wake-up of the server's loop watcher may come later than
-    ``STALL_BOUND_S`` (both read from the server process itself)."""
+    than ``MEMORY_BOUND_MB``, at most ``STALLS_ALLOWED`` wake-ups of the server's loop watcher may
+    come later than ``STALL_BOUND_S`` and none later than ``HARD_STALL_BOUND_S`` (both read from the
+    server process itself)."""
     benign = {"model": model, "messages": [{"role": "user", "content": "Name three rivers of Europe."}], "max_tokens": 48, "cache_salt": "benign"}
     quiet = await post(http, benign)
     assert quiet.status_code == 200
@@ -246,9 +277,12 @@ async def test_a_flood_of_hostile_requests_leaves_a_benign_one_unchanged(server,
     rss_growth = resident_mb(pid) - rss_before
     lag_after, over_after = loop_lag((await http.get("/metrics")).text)
     print(f"flood: {FLOOD_REQUESTS} requests in {seconds:.1f} s; resident +{rss_growth:.0f} MB; loop lag max {lag_after:.3f} s "
-          f"(before {lag_before:.3f} s); wake-ups late by over 0.1 s: {over_after['0.1'] - over_before['0.1']}")
+          f"(before {lag_before:.3f} s); wake-ups late by over 0.05 s: {over_after['0.05'] - over_before['0.05']}, "
+          f"over 0.1 s: {over_after['0.1'] - over_before['0.1']}")
     assert rss_growth < MEMORY_BOUND_MB
-    assert over_after[f"{STALL_BOUND_S:g}"] == over_before[f"{STALL_BOUND_S:g}"], f"the event loop stalled past {STALL_BOUND_S} s"
+    stalls = over_after[f"{STALL_BOUND_S:g}"] - over_before[f"{STALL_BOUND_S:g}"]
+    assert stalls <= STALLS_ALLOWED, f"the event loop stalled past {STALL_BOUND_S} s {stalls} times"
+    assert over_after[f"{HARD_STALL_BOUND_S:g}"] == over_before[f"{HARD_STALL_BOUND_S:g}"], f"the event loop stalled past {HARD_STALL_BOUND_S} s"
 
 
 # -- fuzz: message lists, in this process (no server) -----------------------------------------------
@@ -281,6 +315,18 @@ def test_fuzzed_messages_are_encoded_or_refused_with_a_typed_error(loaded, messa
     assert ids and all(isinstance(i, int) for i in ids)
 
 
+def test_tools_count_toward_the_length_checked_before_tokenizing(loaded):
+    """Before: only the messages' text was counted, so a tool with a megabyte description was rendered
+    and tokenized (2.8 s for 3.5 MB: 1.46 million tokens, turned into Python lists holding the GIL
+    ~80 ms) before the context window refused it. Its text now counts, and it is refused unread."""
+    from agentspec.structured.tools import ToolSpec
+
+    tool = ToolSpec("f", "lorem ipsum " * 90_000, {"type": "object", "properties": {}})
+    with pytest.raises(agentspec.ContextLengthError, match="messages and tools hold 1080"):
+        loaded.chat.encode(QUESTION, [tool], max_chars=100_000)
+    assert loaded.chat.encode(QUESTION, [ToolSpec("f", "lorem ipsum", {"type": "object"})], max_chars=100_000)
+
+
 # -- tenants without a server: keys file, salts ------------------------------------------------------
 
 
@@ -301,13 +347,17 @@ def test_keys_file_and_tenant_salts(tmp_path):
     assert salted(a, b) != b and salted(a, {"not": "a string"}) == {"not": "a string"}  # left for validation to refuse
 
 
-async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loaded):
+@pytest.mark.parametrize("grammar_processes", [0, 1], ids=["threads", "child-process"])
+async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loaded, grammar_processes):
     """The same limits hold without a server: ``Limits.template_timeout_s`` (here 50 ms; tokenizing
-    500,000 characters takes over a second) and ``grammar_timeout_s`` on the client's grammar
-    threads (``grammar_processes=0``, the embedded default)."""
+    500,000 characters takes over a second) and ``grammar_timeout_s``, on the client's grammar
+    threads (``grammar_processes=0``, the embedded default: the build finishes unseen) or, opted in,
+    in a child process that is killed at the limit, and whose grammars serve requests as a thread's do."""
+    import multiprocessing
+
     from agentspec.errors import LimitExceededError
 
-    limits = agentspec.Limits(template_timeout_s=0.05, grammar_timeout_s=GRAMMAR_TIMEOUT_S)
+    limits = agentspec.Limits(template_timeout_s=0.05, grammar_timeout_s=GRAMMAR_TIMEOUT_S, grammar_processes=grammar_processes)
     async with agentspec.Client(limits=limits) as client:  # reuses the loaded weights
         with pytest.raises(LimitExceededError, match="template_timeout_s") as refused:
             client.stream([{"role": "user", "content": "word " * 100_000}])
@@ -317,3 +367,15 @@ async def test_an_embedded_clients_limits_refuse_slow_templates_and_grammars(loa
             async with stream:
                 pass
         assert refused.value.code == "grammar_timeout" and client.pending_requests == 0
+        if grammar_processes:
+            for _ in range(100):  # killed at the limit; joined by the grammar thread, which may report a moment later
+                if not [child for child in multiprocessing.active_children() if child.name == "agentspec-grammar"]:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the grammar's child process outlived its time limit")
+    if grammar_processes:  # a grammar built in a child process serves its request (a limit no build on a busy machine reaches)
+        async with agentspec.Client(limits=agentspec.Limits(grammar_processes=grammar_processes)) as client:
+            schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+            done = await client.generate(QUESTION, response_format=json_schema(schema), max_tokens=16)
+            assert done.finish_reason == "stop" and isinstance(json.loads(done.text)["n"], int)

@@ -319,12 +319,30 @@ def test_json_depth_counts_without_recursion():
     assert json_depth(nested(100_000), 64) == 65  # far past Python's stack; stops early
 
 
-def test_json_text_depth_ignores_brackets_in_strings():
-    from agentspec.serve.app import json_text_depth
+def json_values(value: object) -> int:
+    """Values in a parsed JSON value, keys included."""
+    if isinstance(value, dict):
+        return 1 + sum(1 + json_values(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(json_values(v) for v in value)
+    return 1
 
-    for value in (1, "[[[{", [], {"a": ["]]]\\\"[[["]}, [[1, [2]], {"a": {"b": []}}], nested(200)):
-        text = json.dumps(value)
-        assert json_text_depth(text) == json_depth(value, 10_000), text
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 64, None], ids=["1", "3", "64", "default"])
+def test_json_text_shape_reads_depth_and_values_outside_strings(monkeypatch, chunk_bytes):
+    """The scan agrees with the parsed value on brackets, commas and colons inside strings, escaped
+    quotes after runs of backslashes and multi-byte characters, also where a chunk ends in the middle
+    of any of them (chunks of 1 and 3 bytes)."""
+    from agentspec.serve import app
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(app, "SCAN_CHUNK_BYTES", chunk_bytes)
+    tricky = ['"', "\\", '\\"', "[{,:", "}]", 'a\\\\"b', "\u00e9\u20ac\U0001f600"]
+    values = [1, "[[[{", {"a": ["]]]\\\"[[["]}, [[1, [2]], {"a": {"b": [3]}}], nested(200), {t: [t, {t: t}] for t in tricky}, tricky]
+    for value in values:
+        for text in (json.dumps(value), json.dumps(value, ensure_ascii=False, indent=1)):
+            assert app.json_text_shape(text.encode()) == (json_depth(value, 10_000), json_values(value)), text
+    assert app.json_text_shape(b"[[], {}]") == (2, 5)  # an empty list or object counts one value more than it holds
 
 
 def test_client_side_depth_limit_names_the_parameter():

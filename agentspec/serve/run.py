@@ -186,6 +186,7 @@ async def main(args: Any) -> int:
         max_queued=args.max_queued,
         prefix_cache_mb=args.prefix_cache_mb,
         max_json_depth=args.max_json_depth,
+        max_json_values=args.max_json_values,
         max_tags=args.max_tags,
         max_shadow_rate=args.shadow_rate,
         max_grammar_chars=args.max_grammar_chars,

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Hashable, TypeVar
 
-__all__ = ["regex_size_bound", "ByteBoundedCache", "MAX_REF_DEPTH"]
+__all__ = ["regex_size_bound", "ByteBoundedCache", "MAX_REF_DEPTH", "KEY_BYTES"]
 
 MAX_REF_DEPTH = 4  # outlines_core follows a reference chain 3 deep (one more to be safe), then drops it
 # Measured on outlines_core 0.2 with compact whitespace (the constants are rounded up):
@@ -37,6 +37,7 @@ NODE = 16  # the brackets and groups a node adds around its parts (an array: 18,
 ANY_VALUE = 6600
 ANY_VALUE_GROWTH = 4.1
 DEFAULT_ANY_DEPTH = 2
+KEY_BYTES = 64  # what a cache key that is not a string costs (a tuple of small ints, say)
 
 Value = TypeVar("Value")
 
@@ -164,21 +165,22 @@ def regex_size_bound(schema: Any, *, cap: int) -> int:
 
 
 class ByteBoundedCache(Generic[Value]):
-    """A least-recently-used map bounded in bytes (each value's size given by ``size_of``): what one
-    caller can make the process keep is bounded however large each entry is. Keeps only what it is
-    given: callers put successes only. A value bigger than the whole budget is not kept. Thread-safe."""
+    """A least-recently-used map bounded in bytes (each value's size given by ``size_of``, a string
+    key's by its length, any other key's by ``KEY_BYTES``): what one caller can make the process keep
+    is bounded however large each entry is. Keeps only what it is given: callers put successes only.
+    A value bigger than the whole budget is not kept. Thread-safe."""
 
     def __init__(self, max_bytes: int, size_of: Callable[[Value], int]) -> None:
         self.max_bytes = max_bytes
         self.size_of = size_of
         self.bytes = 0
-        self._entries: OrderedDict[str, tuple[Value, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Value, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> Value | None:
+    def get(self, key: Hashable) -> Value | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -186,9 +188,9 @@ class ByteBoundedCache(Generic[Value]):
             self._entries.move_to_end(key)
             return entry[0]
 
-    def put(self, key: str, value: Value) -> Value:
+    def put(self, key: Hashable, value: Value) -> Value:
         """Keep ``value`` under ``key`` (an entry already there wins, so callers share one object)."""
-        cost = self.size_of(value) + len(key)
+        cost = self.size_of(value) + (len(key) if isinstance(key, str) else KEY_BYTES)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)

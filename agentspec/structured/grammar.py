@@ -17,6 +17,7 @@ rolling back a rejected draft is keeping the state of the committed tokens.
 
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 import re
@@ -192,14 +193,19 @@ def schema_from_response_format(response_format: Any) -> tuple[dict[str, Any], A
 
 @dataclass(eq=False)
 class Grammar:
-    """A compiled schema over one vocabulary. Thread-safe: per-state caches fill under a lock."""
+    """A compiled schema over one vocabulary. Thread-safe: its masks and forced texts per state are
+    kept in its compiler's cache (``GrammarCompiler.cache``), within the same byte budget as the
+    grammars themselves."""
 
     schema: dict[str, Any]
     index: Any  # outlines_core.Index
     compiler: "GrammarCompiler" = field(repr=False)
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _forced: dict[int, tuple[list[int], int | None]] = field(default_factory=dict, repr=False)  # (forced, held)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    index_bytes: int = 0  # the index's size serialised: what keeping it costs, near enough
+    regex: str | None = field(default=None, repr=False)  # its key in the compiler's cache
+    serial: int = field(init=False, repr=False)  # names this grammar's per-state entries in the compiler's cache
+
+    def __post_init__(self) -> None:
+        self.serial = self.compiler.next_serial()
 
     @property
     def initial_state(self) -> int:
@@ -252,15 +258,18 @@ class Grammar:
         return self._forced_and_held(state)[1]
 
     def _forced_and_held(self, state: int) -> tuple[list[int], int | None]:
-        with self._lock:
-            if state not in self._forced:
-                self._forced[state] = self._compute_forced(state)
-            return self._forced[state]
+        key = ("forced", self.serial, state)
+        cached = self.compiler.cache.get(key)
+        return cached if cached is not None else self.compiler.cache.put(key, self._compute_forced(state))
 
     def mask(self, state: int) -> torch.Tensor:
-        """[V] bool: tokens allowed at ``state`` under canonical forcing (stop tokens where final)."""
-        with self._lock:
-            cached = self._masks.get(state)
+        """[V] bool: tokens allowed at ``state`` under canonical forcing (stop tokens where final).
+        Cached per state within the compiler's byte budget (a mask is a vocabulary's bytes: a long
+        reply under a large grammar visits thousands of states); one dropped is computed again."""
+        if self.regex is not None:
+            self.compiler.cache.get(self.regex)  # a grammar in use stays more recent than its masks
+        key = ("mask", self.serial, state)
+        cached = self.compiler.cache.get(key)
         if cached is not None:
             return cached
         forced = self.forced(state)
@@ -272,10 +281,7 @@ class Grammar:
             allowed = self.index.get_allowed_tokens(state)  # a list of up to the vocabulary's size
             mask[torch.from_numpy(np.fromiter(allowed, dtype=np.int64, count=len(allowed)))] = True
             mask[list(compiler.stop_token_ids)] = self.is_final(state)  # the index allows EOS where final; we allow every stop token
-        mask = mask.to(compiler.device)
-        with self._lock:
-            self._masks[state] = mask
-        return mask
+        return compiler.cache.put(key, mask.to(compiler.device))
 
     def _compute_forced(self, state: int) -> tuple[list[int], int | None]:
         compiler = self.compiler
@@ -374,10 +380,21 @@ class RepeatedGrammar:
         return False
 
 
-def _grammar_bytes(grammar: Grammar) -> int:
-    """What a cached grammar holds: its index, measured as outlines_core serialises it (milliseconds
-    for an index of megabytes, next to the seconds it took to build), and its schema's JSON text."""
-    return len(pickle.dumps(grammar.index)) + len(json.dumps(grammar.schema))
+# What a cached per-state entry holds besides its data: a mask tensor's object and storage, a
+# forced text's tuple and list (and each token id an int object of its own).
+TENSOR_OVERHEAD_BYTES = 256
+FORCED_ENTRY_BYTES, FORCED_TOKEN_BYTES = 160, 40
+
+
+def _cached_bytes(value: Any) -> int:
+    """What an entry of a compiler's cache holds: a grammar (its index as outlines_core serialises
+    it, and its schema's JSON text), a mask ([V] bool), or a state's forced tokens and held token."""
+    if isinstance(value, Grammar):
+        return value.index_bytes + len(json.dumps(value.schema))
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() + TENSOR_OVERHEAD_BYTES
+    forced, _ = value
+    return FORCED_ENTRY_BYTES + FORCED_TOKEN_BYTES * (len(forced) + 1)
 
 
 class GrammarCompiler:
@@ -400,8 +417,10 @@ class GrammarCompiler:
         self.token_bytes = token_bytes
         self._special: dict[str, int | None] = {}
         self._lock = threading.Lock()
-        # by regex; shared by every client of this model (the smallest Limits.grammar_cache_mb applies)
-        self.cache: ByteBoundedCache[Grammar] = ByteBoundedCache(DEFAULT_GRAMMAR_CACHE_BYTES, _grammar_bytes)
+        # Grammars by regex, and their masks and forced texts by (kind, grammar serial, state), in one
+        # budget; shared by every client of this model (the smallest Limits.grammar_cache_mb applies).
+        self.cache: ByteBoundedCache[Any] = ByteBoundedCache(DEFAULT_GRAMMAR_CACHE_BYTES, _cached_bytes)
+        self._serials = itertools.count()
 
     def special_token(self, text: str) -> int | None:
         """The id of the special token (no bytes of its own) spelled ``text``, or None if there is none."""
@@ -411,14 +430,21 @@ class GrammarCompiler:
                 self._special[text] = ids[0] if len(ids) == 1 and not self.token_bytes[ids[0]] else None
             return self._special[text]
 
+    def next_serial(self) -> int:
+        """A number no other grammar of this compiler has (its cache entries are named by it)."""
+        with self._lock:
+            return next(self._serials)
+
     def encode(self, text: bytes) -> list[int]:
         return list(self.tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
 
-    def compile(self, schema: dict[str, Any], *, regex: str | None = None, build_index: Callable[[str], Any] | None = None) -> Grammar:
+    def compile(self, schema: dict[str, Any], *, regex: str | None = None, build_index: Callable[[str], tuple[Any, int]] | None = None) -> Grammar:
         """The grammar of ``schema`` (cached by its regex). Building an index takes milliseconds for a
         small schema and seconds for a permissive one (``{"type": "object"}``): call it off the event
-        loop. Raises InvalidRequestError naming what is unsupported. ``build_index``: regex → outlines_core
-        ``Index`` (``isolated.ProcessIndexBuilder``: in a child process); None builds it here."""
+        loop. Raises InvalidRequestError naming what is unsupported. ``build_index``: regex → (an
+        outlines_core ``Index``, its size serialised) (``isolated.ProcessIndexBuilder``: built in a
+        child process, whose result arrives serialised); None builds it here and serialises it once
+        to measure it (holding the GIL: ~0.1 s for the 26 MB index of ``{"type": "object"}``)."""
         from outlines_core import Index
 
         regex = regex if regex is not None else schema_regex(schema)
@@ -426,7 +452,11 @@ class GrammarCompiler:
         if cached is not None:
             return cached
         try:
-            index = build_index(regex) if build_index is not None else Index(regex, self.vocabulary)
+            if build_index is not None:
+                index, index_bytes = build_index(regex)
+            else:
+                index = Index(regex, self.vocabulary)
+                index_bytes = len(pickle.dumps(index))
         except LimitExceededError:  # the builder's time limit
             raise
         except Exception:  # e.g. a pattern no sequence of tokens can match; its text names the compiler's internals
@@ -434,4 +464,4 @@ class GrammarCompiler:
                 "The JSON schema cannot be compiled into a grammar for this model's vocabulary (e.g. a `pattern` "
                 "that no sequence of tokens can match); simplify its patterns or formats."
             ) from None
-        return self.cache.put(regex, Grammar(schema=schema, index=index, compiler=self))
+        return self.cache.put(regex, Grammar(schema=schema, index=index, compiler=self, index_bytes=index_bytes, regex=regex))

@@ -17,6 +17,7 @@ import multiprocessing
 import pickle
 import threading
 import time
+from multiprocessing import forkserver
 from typing import Any, Callable
 
 from ..errors import LimitExceededError
@@ -41,8 +42,10 @@ def _build(regex: str, vocabulary: bytes, conn: Any) -> None:
 
 
 class ProcessIndexBuilder:
-    """``builder(regex)`` → an outlines_core ``Index`` over ``vocabulary``, built in a child process;
-    at most ``processes`` at once (a build waits for a turn within its time limit)."""
+    """``builder(regex)`` → (an outlines_core ``Index`` over ``vocabulary``, its size serialised),
+    built in a child process; at most ``processes`` at once (a build waits for a turn within its time
+    limit). Loading the index here holds the GIL (~0.1 s for the 26 MB index of ``{"type":
+    "object"}`` on a 2-core Zen 4); its size comes with it, so it is never serialised again."""
 
     def __init__(self, vocabulary: Any, *, processes: int, timeout_s: float, on_timeout: Callable[[], LimitExceededError]) -> None:
         self.timeout_s = timeout_s
@@ -51,8 +54,9 @@ class ProcessIndexBuilder:
         self._turns = threading.BoundedSemaphore(processes)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload([__name__])  # children start with outlines_core and this module imported
+        forkserver.ensure_running()  # now (a second: it imports outlines_core), not within the first request's time limit
 
-    def __call__(self, regex: str) -> Any:
+    def __call__(self, regex: str) -> tuple[Any, int]:
         deadline = time.monotonic() + self.timeout_s
         if not self._turns.acquire(timeout=self.timeout_s):
             raise self.on_timeout()
@@ -77,6 +81,6 @@ class ProcessIndexBuilder:
                     child.join()
             if not payload:
                 raise IndexBuildFailed()
-            return pickle.loads(payload)
+            return pickle.loads(payload), len(payload)
         finally:
             self._turns.release()

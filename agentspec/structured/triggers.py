@@ -103,7 +103,7 @@ class AutoCallGrammar:
 
     def __init__(
         self, compiler: Any, tools: Sequence[ToolSpec], fmt: ToolFormat | None, *, parallel: bool, max_chars: int = MAX_REGEX_CHARS,
-        build_index: Callable[[str], Any] | None = None,
+        build_index: Callable[[str], tuple[Any, int]] | None = None,
     ) -> None:
         self.compiler = compiler
         self.tools = list(tools)
