@@ -95,6 +95,15 @@ class KVBlock:
             values[:, :, : self.length].copy_(self.values[:, :, : self.length])
         self.keys, self.values = keys, values
 
+    def pad(self, tokens: int) -> None:
+        """Append ``tokens`` keys and values of zeros: a past of that length whose contents do not
+        matter (calibration times passes over it; attention costs the same whatever it reads)."""
+        self.reserve(tokens)
+        assert self.keys is not None and self.values is not None
+        self.keys[:, :, self.length : self.length + tokens].zero_()
+        self.values[:, :, self.length : self.length + tokens].zero_()
+        self.length += tokens
+
     def copy_prefix(self, source: "KVBlock", tokens: int) -> None:
         """Start with the first ``tokens`` keys/values of ``source`` (prefix reuse)."""
         self.length = 0
