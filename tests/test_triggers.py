@@ -290,6 +290,41 @@ def test_every_opening_transcribes_to_the_same_calls_under_any_chunking():
             assert [(c.index, c.name, c.arguments) for c in calls] == [(0, "multiply", {"a": 6, "b": 7}), (1, "multiply_all", {"values": [1]})], text
 
 
+def test_a_special_marker_before_a_further_call_is_written_as_its_text():
+    """Mistral's ``[TOOL_CALLS]`` is a special token, which writes no bytes of its own. After a bare
+    call that opened with it, a further call (parallel calls) opens with the marker again: forced
+    there, the marker token stands for its text, so the call goes on past it to the next name (it
+    once left the fixed text where it was, and the marker was forced again and again)."""
+    tokenizer = model_tokenizer(read_gguf(real_vocab("llama-bpe")))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    compiler = GrammarCompiler(token_bytes_table(tokenizer, len(tokenizer)), tokenizer, frozenset({tokenizer.eos_token_id}), torch.device("cpu"))
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    grammar = AutoCallGrammar(compiler, SPECS, FAMILY["mistral"], parallel=True)
+    opening = b'[TOOL_CALLS]{"name": "multiply", "'
+    state, tokens = grammar.initial_state, []
+    for token in [marker, *compiler.encode(opening[len(b"[TOOL_CALLS]") :])]:
+        state = grammar.next_state(state, token)
+        tokens.append(token)
+        if not grammar.undecided(state):
+            break
+    assert grammar.is_call(state)
+    tokens = finish_call(grammar, compiler, follow(grammar, compiler, state, tokens, opening), tokens)
+    state = grammar.initial_state
+    for token in tokens:
+        state = grammar.next_state(state, token)
+    further = [t for t in grammar.mask(state).nonzero().flatten().tolist() if t not in compiler.stop_token_ids]
+    assert further, "a further call may follow"
+    state, written = grammar.next_state(state, further[0]), [further[0]]
+    for _ in range(12):  # the forced text up to the next call's name
+        forced = grammar.forced(state)
+        if not forced:
+            break
+        state = grammar.next_state(state, forced[0])
+        written.append(forced[0])
+    text = b"".join(grammar.markers.get(t, compiler.token_bytes[t]) for t in written)
+    assert written.count(marker) == 1 and b'[TOOL_CALLS]\n{"name"' in text, text
+
+
 @pytest.mark.parametrize("family", [None, "llama3"])
 def test_a_token_straddling_the_names_end_chooses_the_spacing(vocab, family):
     """'"name": "multiply' then the one token '","': the call goes on compact from its leftover ',"'."""

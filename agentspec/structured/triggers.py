@@ -307,7 +307,7 @@ class AutoCallGrammar:
             return self.TEXT if following[0] == "text" else self._id(following)
         if not bool(self.mask(state)[token]) or token in self.compiler.stop_token_ids:
             return None
-        piece = self.compiler.token_bytes[token]
+        piece = self.markers.get(token, self.compiler.token_bytes[token])  # a marker repeated before a further call: its text
         if kind == "arguments":
             grammar = self.arguments[key[1].tool]
             following = grammar.advance(key[2], token)
