@@ -219,6 +219,28 @@ def test_phi_3s_rotary_survives_the_file(loaded, tmp_path):
     assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=10) > 0
 
 
+def test_a_longrope_checkpoint_decodes_across_its_original_context_speculatively_as_plainly(loaded, tmp_path):
+    """A safetensors Phi-3 with LongRoPE, loaded through transformers: its rotary embedding is
+    pinned per position too (transformers' own switches table for a whole call by its largest
+    position, so a verification pass across the original context would rotate differently from
+    plain decoding), and the engine's passes decode across the original context as plainly."""
+    import transformers as T
+
+    from agentspec.passes.rope import PositionwiseLongRope
+
+    prompt = "one two three one two three one two three one two"
+    original = len(loaded.chat.encode([{"role": "user", "content": prompt}])) + 3  # decoding crosses it
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": original,
+            "long_factor": [1.0, 2.5, 4.0, 8.0], "short_factor": [1.0, 1.1, 1.3, 1.7]}
+    config = T.Phi3Config(**SMALL, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=original)
+    family_model("phi3", loaded.vocab_size, seed=11, config=config).save_pretrained(tmp_path / "phi3")
+    loaded.tokenizer.save_pretrained(tmp_path / "phi3")
+    read = read_model(tmp_path / "phi3", CPU, F32)
+    assert isinstance(read.module.model.rotary_emb, PositionwiseLongRope)
+    engine = Engine(read)
+    assert drafted_matching_plain(engine, read, [prompt], max_tokens=10) > 0
+
+
 @pytest.mark.parametrize("vocabulary", ["default", *VOCABULARIES])
 def test_the_tokenizer_from_the_metadata_is_transformers(vocabulary):
     """The tokenizer built from ``tokenizer.ggml.*`` encodes, decodes and renders the chat template as
