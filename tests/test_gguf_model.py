@@ -182,6 +182,17 @@ def test_llama_3s_rotary_scaling_survives_the_file(loaded, tmp_path):
     assert check_packed(model, KVLayout.of(model), 1e-3, forward=forward) <= 1e-3
 
 
+def longrope_phi3(vocab_size: int, original: int, seed: int):
+    """A tiny Phi-3 rotating half of each head with LongRoPE, its long table from position
+    ``original`` on (Phi-3.5's and Phi-4-mini's rotary, at a size the tests reach)."""
+    import transformers as T
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": original,
+            "long_factor": [1.0, 2.5, 4.0, 8.0], "short_factor": [1.0, 1.1, 1.3, 1.7]}
+    config = T.Phi3Config(**SMALL, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=original)
+    return family_model("phi3", vocab_size, seed=seed, config=config)
+
+
 @torch.inference_mode()
 def test_phi_3s_rotary_survives_the_file(loaded, tmp_path):
     """Phi-3.5 and Phi-4-mini rotate part of each head with LongRoPE: two tables of factors, the short
@@ -192,15 +203,10 @@ def test_phi_3s_rotary_survives_the_file(loaded, tmp_path):
     (``passes/rope.py``): transformers' own angles, bit for bit, for a call within the original
     context and for one past it; the pass on the file gives the checkpoint's logits on positions on
     both sides of it; and an engine decodes across it speculatively as plainly."""
-    import transformers as T
-
     from agentspec.passes.rope import PositionwiseLongRope, pin_long_rope
 
     original = 8  # check_packed's sequences run to position 10
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": original,
-            "long_factor": [1.0, 2.5, 4.0, 8.0], "short_factor": [1.0, 1.1, 1.3, 1.7]}
-    config = T.Phi3Config(**SMALL, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=original)
-    model = family_model("phi3", loaded.vocab_size, seed=10, config=config)
+    model = longrope_phi3(loaded.vocab_size, original, seed=10)
     q8_0_blocks(model)
     path = tmp_path / "phi3-longrope.gguf"
     write_gguf(model, loaded.gguf_file, path)
@@ -224,16 +230,11 @@ def test_a_longrope_checkpoint_decodes_across_its_original_context_speculatively
     pinned per position too (transformers' own switches table for a whole call by its largest
     position, so a verification pass across the original context would rotate differently from
     plain decoding), and the engine's passes decode across the original context as plainly."""
-    import transformers as T
-
     from agentspec.passes.rope import PositionwiseLongRope
 
     prompt = "one two three one two three one two three one two"
     original = len(loaded.chat.encode([{"role": "user", "content": prompt}])) + 3  # decoding crosses it
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "original_max_position_embeddings": original,
-            "long_factor": [1.0, 2.5, 4.0, 8.0], "short_factor": [1.0, 1.1, 1.3, 1.7]}
-    config = T.Phi3Config(**SMALL, pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=original)
-    family_model("phi3", loaded.vocab_size, seed=11, config=config).save_pretrained(tmp_path / "phi3")
+    longrope_phi3(loaded.vocab_size, original, seed=11).save_pretrained(tmp_path / "phi3")
     loaded.tokenizer.save_pretrained(tmp_path / "phi3")
     read = read_model(tmp_path / "phi3", CPU, F32)
     assert isinstance(read.module.model.rotary_emb, PositionwiseLongRope)

@@ -105,8 +105,12 @@ def transformers_reads(gguf: GGUFFile) -> bool:
     ``LoadedModel.model``); for the families of ``OWN_TABLES`` agentspec dequantises it itself."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    kind = model_type(gguf)
-    return ("gemma3" if kind == "gemma3_text" else kind) in GGUF_CONFIG_MAPPING
+    return _table_name(model_type(gguf)) in GGUF_CONFIG_MAPPING
+
+
+def _table_name(kind: str) -> str:
+    """The name of transformers' GGUF table for model type ``kind`` (Gemma 3's is its file's name)."""
+    return "gemma3" if kind == "gemma3_text" else kind
 
 
 def model_config(gguf: GGUFFile) -> Any:
@@ -116,9 +120,8 @@ def model_config(gguf: GGUFFile) -> Any:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     architecture, kind = gguf.architecture, model_type(gguf)
-    table_name = "gemma3" if kind == "gemma3_text" else kind
-    if table_name in GGUF_CONFIG_MAPPING:
-        table = GGUF_CONFIG_MAPPING[table_name]
+    if _table_name(kind) in GGUF_CONFIG_MAPPING:
+        table = GGUF_CONFIG_MAPPING[_table_name(kind)]
     elif kind in OWN_TABLES:
         base, extra = OWN_TABLES[kind]
         table = {**GGUF_CONFIG_MAPPING[base], **extra}

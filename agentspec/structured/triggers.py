@@ -301,13 +301,14 @@ class AutoCallGrammar:
     def _advance(self, state: int, token: int) -> int | None:
         key = self._key(state)
         kind = key[0]
+        # a marker (a special token, no bytes of its own) stands for its text: at an opening, and
+        # where fixed text repeats it before a further call
+        piece = self.markers.get(token, self.compiler.token_bytes[token])
         if kind == "undecided":
-            piece = self.markers.get(token, self.compiler.token_bytes[token])
             following = self._decide(key[1] + piece)
             return self.TEXT if following[0] == "text" else self._id(following)
         if not bool(self.mask(state)[token]) or token in self.compiler.stop_token_ids:
             return None
-        piece = self.markers.get(token, self.compiler.token_bytes[token])  # a marker repeated before a further call: its text
         if kind == "arguments":
             grammar = self.arguments[key[1].tool]
             following = grammar.advance(key[2], token)
