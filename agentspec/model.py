@@ -356,7 +356,11 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         config = model_config(gguf)
         tokenizer = model_tokenizer(gguf)
         _return_freed_memory()  # the tokenizer's conversion leaves ~95 MB freed on the C heap (Qwen's 151,936 tokens)
-        module = module_tree(gguf, config, quantised=frozenset(GGUF_TYPES))
+        from .gguf.tree import file_tree, file_tree_reads
+
+        # agentspec's own tree where it reads the config (no transformers modeling import: seconds of start-up)
+        tree = file_tree if file_tree_reads(config) else module_tree
+        module = tree(gguf, config, quantised=frozenset(GGUF_TYPES))
         if transformers_reads(gguf):  # the reference, on demand: transformers' own reading of the file
             float_model = lambda: _positionwise(_transformers_model(ref, device, dtype, gguf)[0])  # noqa: E731
         else:  # Gemma 1, SmolLM3, Granite: the same tree with every matrix dequantised

@@ -30,8 +30,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 @lru_cache(maxsize=1)
 def _byte_level_translation() -> dict[int, int]:
-    """``str.translate``'s table from the stand-in characters to the bytes they stand for (as characters 0-255)."""
-    return {ord(char): byte for char, byte in _byte_level_alphabet().items()}
+    """``str.translate``'s table from the stand-in characters to the bytes they stand for (as
+    characters 0-255), and the characters 0-255 that stand for nothing to U+FFFF: a piece translates
+    to Latin-1 exactly when it is all stand-ins."""
+    alphabet = _byte_level_alphabet()
+    return {code: 0xFFFF for code in range(256) if chr(code) not in alphabet} | {ord(char): byte for char, byte in alphabet.items()}
 
 
 def _decoder_kind(tokenizer: Any) -> str:
@@ -52,7 +55,7 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
     ids the tokenizer does not know map to ``b""``.
     """
     kind = _decoder_kind(tokenizer)
-    alphabet, translation = _byte_level_alphabet().keys(), _byte_level_translation()
+    translation = _byte_level_translation()
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
@@ -62,8 +65,8 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
             table.append(b"")
         elif token_id in added:
             table.append(added[token_id].content.encode())
-        elif kind == "byte_level" and alphabet >= set(piece):
-            table.append(piece.translate(translation).encode("latin-1"))
+        elif kind == "byte_level" and (stood := _stood_for(piece, translation)) is not None:
+            table.append(stood)
         elif kind == "sentencepiece" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             table.append(bytes([int(piece[3:5], 16)]))
         elif kind == "sentencepiece":
@@ -72,6 +75,14 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
             table.append(tokenizer.convert_tokens_to_string([piece]).encode())
     table.extend(b"" for _ in range(vocab_size - len(table)))
     return table
+
+
+def _stood_for(piece: str, translation: dict[int, int]) -> bytes | None:
+    """The bytes a byte-level piece stands for; None where a character of it stands for none."""
+    try:
+        return piece.translate(translation).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
 
 
 class TokenDecoder:

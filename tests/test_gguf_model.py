@@ -18,6 +18,7 @@ from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.gguf import read_gguf
 from agentspec.gguf.config import dropped_fields, model_config, model_tokenizer
 from agentspec.gguf.modules import weights_on_meta
+from agentspec.gguf.tree import FileTree, file_tree_reads
 from agentspec.model import default_model_path, read_model
 from agentspec.passes.arch import describe
 from agentspec.passes.blocks import BlockPass
@@ -71,6 +72,7 @@ def test_the_module_tree_holds_the_files_float_tensors_and_nothing_else(family_f
     (Gemma's less one), biases, rotary frequencies, embedding scales — is transformers' own, bit for bit."""
     name, _, read, model = family_file
     tree = read.module
+    assert isinstance(tree, FileTree)  # agentspec's own modules, held to transformers' here
     assert weights_on_meta(tree) and tree.get_input_embeddings().weight.device.type == "meta"
     theirs = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     held = 0
@@ -134,7 +136,7 @@ def test_a_family_transformers_does_not_read_is_read_as_llama_cpp_reads_it(own_f
     model written (multipliers, layers without rotary, head size), the module tree holds its norms
     and biases, and the dequantised float model is the model written."""
     name, model, read = own_family_file
-    assert weights_on_meta(read.module) and read.module.config.model_type == name
+    assert isinstance(read.module, FileTree) and weights_on_meta(read.module) and read.module.config.model_type == name
     assert describe(read.module) == describe(model) and KVLayout.of(read.module) == KVLayout.of(model)
     if name == "smollm3":
         assert [layer.rope for layer in describe(read.module).layers] == ["", "", "", None]
@@ -144,6 +146,64 @@ def test_a_family_transformers_does_not_read_is_read_as_llama_cpp_reads_it(own_f
             torch.testing.assert_close(tensor, theirs[key], rtol=0, atol=1e-6, msg=key)  # Gemma's norms: (1 + w) - 1
     for key, tensor in dict(read.model.named_parameters()).items():
         torch.testing.assert_close(tensor, theirs[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_gguf_start_imports_no_modeling_code():
+    """A GGUF file on the block passes is read without transformers' modeling code (which imports its
+    generation, masking and distributed modules and torch's compiler: seconds of start-up): the
+    default model loads and an engine starts on it in a process that never imports them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from agentspec.model import load_model; from agentspec.engine import Engine; "
+        "engine = Engine(load_model()); engine.calibrate(reuse=False); "
+        "print(type(engine.forward).__name__, *sorted(m for m in sys.modules if m in "
+        "('transformers.modeling_utils', 'transformers.generation.utils', 'torch._dynamo', 'torch.distributed.tensor')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["BlockPass"], done.stdout
+
+
+def test_a_rotary_table_that_changes_with_the_length_goes_to_transformers_tree(family_file):
+    """agentspec's tree builds rotary tables fixed when built (LongRoPE's two are pinned per position);
+    a dynamic one ("dynamic" NTK scaling) is left to transformers' modules, and a file lacking a
+    norm the model needs is refused at load, naming it."""
+    name, path, read, _ = family_file
+    config = read.module.config
+    assert file_tree_reads(config)
+    changed = type(config).from_dict(config.to_dict())
+    if name == "gemma3_text":  # a table per layer type
+        for kind in set(changed.layer_types):
+            changed.rope_parameters[kind] = {**changed.rope_parameters[kind], "rope_type": "dynamic", "factor": 2.0}
+    else:
+        changed.rope_parameters = {**changed.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    assert not file_tree_reads(changed)
+
+
+def test_a_file_without_a_norm_the_model_needs_is_refused(loaded, tmp_path):
+    from agentspec.errors import ModelLoadError
+
+    model = family_model("qwen2", loaded.vocab_size, seed=3)
+    q8_0_blocks(model)
+    whole, cut = tmp_path / "whole.gguf", tmp_path / "cut.gguf"
+    write_gguf(model, loaded.gguf_file, whole)
+    source = gguf.GGUFReader(str(whole))
+    writer = gguf.GGUFWriter(str(cut), "qwen2")
+    for field in source.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for tensor in source.tensors:
+        if tensor.name != "blk.1.ffn_norm.weight":
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="post_attention_layernorm"):
+        read_model(cut, CPU, F32)
 
 
 @torch.inference_mode()

@@ -42,6 +42,7 @@ import torch
 from ..drafting import NO_DRAFT, Draft, Drafter, ngram_drafter
 from ..drafting.grammar import Spellings
 from ..errors import ModelLoadError
+from ..gguf.modules import weights_on_meta
 from ..model import LoadedModel
 from ..params import GenerationParams
 from ..passes.packed import PackedRow, check_packed, use_packed_attention
@@ -153,7 +154,8 @@ class Engine:
         # float weights, asked for by name, take the float model (dequantised on first use)
         self.model = loaded.module if weights == "auto" or weights in GGUF_ACTIVATIONS else loaded.model
         self.device = loaded.device
-        use_packed_attention(self.model)
+        if not weights_on_meta(self.model):  # a module tree only the block passes run needs no attention of its own
+            use_packed_attention(self.model)
         self.layout = KVLayout.of(self.model)
         # The target pass: over the model's own modules, or a faster one that gives the same logits.
         try:

@@ -1,4 +1,5 @@
-"""transformers' module tree for a GGUF file's model, holding none of its quantised weights.
+"""A GGUF file's model as a module tree holding none of its quantised weights, and the loading of
+its float tensors into such a tree (transformers' here; agentspec's own in ``tree.py``).
 
 The passes on a file's blocks (``passes/blocks.py``, ``products.py``) read the model's structure
 from transformers' modules (``arch.describe``: which projections, norms, windows, scales), its rotary
@@ -12,7 +13,8 @@ builds them. A quantised matrix stays on the meta device: the block pass multipl
 blocks, and the embedding rows it needs are dequantised from them (``passes/layouts.FileBlocks``),
 so no float32 copy of the model exists. ``weights_on_meta`` tells such a tree from a loaded model;
 ``quantised=frozenset()`` dequantises every matrix into it (the float model of a family transformers
-does not read from GGUF).
+does not read from GGUF). The block passes take ``tree.file_tree``, the same tree built without
+importing transformers' modeling code; ``load_float_tensors`` fills both.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 from ..errors import ModelLoadError
 from .reader import GGML_TYPES, GGUFFile, GGUFTensor
 
-__all__ = ["module_tree", "apply_rope_factors", "ROPE_FACTORS", "float_array", "weights_on_meta", "FLOAT_TYPES"]
+__all__ = ["module_tree", "load_float_tensors", "apply_rope_factors", "ROPE_FACTORS", "float_array", "weights_on_meta", "FLOAT_TYPES"]
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # transformers' tensor processor of the architectures it has none for (gguf/config.OWN_TABLES): llama.cpp's
@@ -44,8 +46,9 @@ def float_array(tensor: GGUFTensor) -> np.ndarray:
 
 
 def weights_on_meta(model: Any) -> bool:
-    """Whether ``model`` is a ``module_tree`` (its linear weights in the file, not in the modules)."""
-    return model.get_output_embeddings().weight.device.type == "meta"
+    """Whether ``model`` is a tree of a file's modules (``module_tree`` with quantised types,
+    ``tree.file_tree``): some of its weights are in the file, not in the modules."""
+    return any(parameter.device.type == "meta" for parameter in model.parameters())
 
 
 def _dequantised(tensor: GGUFTensor) -> np.ndarray:
@@ -56,15 +59,28 @@ def _dequantised(tensor: GGUFTensor) -> np.ndarray:
 
 
 def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozenset()) -> nn.Module:
-    """The causal LM of ``config`` with the file's float tensors loaded and every other parameter on
-    the meta device. ``quantised``: the types the caller reads from the blocks; a matrix of another
-    quantised type is dequantised to float32 here (``read_blocks`` names them in one warning)."""
+    """transformers' causal LM of ``config`` with the file's float tensors loaded and its matrices of
+    the ``quantised`` types on the meta device (``load_float_tensors``); with none, the float model
+    (the families transformers does not read from GGUF). On the block passes agentspec builds its
+    own tree instead (``tree.file_tree``: the same modules without transformers' modeling imports)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) built on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_float_tensors(model, gguf, config, quantised)
+    return model.eval().requires_grad_(False)
+
+
+def load_float_tensors(model: nn.Module, gguf: GGUFFile, config: Any, quantised: frozenset[str]) -> None:
+    """Load into ``model`` (its parameters on the meta device) the file's float tensors, and its
+    matrices of types not in ``quantised`` dequantised to float32, converted as transformers' GGUF
+    loader converts them (its tensor processors); tie the LM head where the config says; apply the
+    file's rotary factors. A projection's bias in the file is loaded whether or not the module was
+    built with one (llama.cpp adds any bias the file has). ``ModelLoadError`` where a shape differs
+    or a norm or bias the model needs is not in the file."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
     processor = TENSOR_PROCESSORS.get(PROCESSOR_OF.get(gguf.architecture, gguf.architecture), TensorProcessor)(config=config.to_dict())
     names = _parameter_names(model, gguf)
     for name, tensor in gguf.tensors.items():
@@ -76,15 +92,17 @@ def module_tree(gguf: GGUFFile, config: Any, quantised: frozenset[str] = frozens
             weights = _dequantised(tensor)
         result = processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters={})
         if result.name not in names:
-            continue  # a tensor transformers' model has no parameter for (rope_freqs.weight: apply_rope_factors)
+            continue  # a tensor the model has no parameter for (rope_freqs.weight: apply_rope_factors)
         with warnings.catch_warnings():  # a read-only view of the mapping: nothing writes a parameter
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             value = torch.from_numpy(np.ascontiguousarray(result.weights))
         _assign(model, names[result.name], value)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    missing = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta" and parameter.dim() < 2]
+    if missing:
+        raise ModelLoadError(f"{gguf.path} lacks tensors the {config.model_type} model needs: {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
     apply_rope_factors(model, gguf)
-    return model.eval().requires_grad_(False)
 
 
 ROPE_FACTORS = "rope_freqs.weight"
@@ -124,6 +142,10 @@ def _parameter_names(model: nn.Module, gguf: GGUFFile) -> dict[str, str]:
         gguf_name = table.get_name(base)
         if gguf_name is not None:
             names.setdefault(f"{gguf_name}.{suffix}", name)
+    for base, module in model.named_modules():  # a projection built without a bias takes the file's
+        gguf_name = table.get_name(base) if isinstance(module, nn.Linear) and module.bias is None else None
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}.bias", f"{base}.bias")
     return names
 
 
@@ -131,6 +153,8 @@ def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, attribute = name.rpartition(".")
     module = model.get_submodule(owner)
     expected = getattr(module, attribute)
+    if expected is None and attribute == "bias":  # a bias the file adds: one per output
+        expected = torch.empty(module.weight.shape[0], device="meta")
     if tuple(expected.shape) != tuple(value.shape):
         raise ModelLoadError(f"the file's tensor for {name} has shape {tuple(value.shape)}, the model expects {tuple(expected.shape)}")
     setattr(module, attribute, nn.Parameter(value, requires_grad=False))
