@@ -5,9 +5,9 @@ shared: every ``Client`` asking for the same (model, device, dtype) gets the sam
 
 A ``.gguf`` file on the CPU (float32, a family of ``passes/arch.py``) is the model: agentspec's
 reader checks and maps it, the configuration and tokenizer come from its metadata
-(``gguf/config.py``), and ``LoadedModel.module`` is transformers' module tree of the model with only
-the file's float tensors in it (norms, biases; ``gguf/modules.py``) — the block passes multiply the
-file's own blocks. No float32 copy of the weights is made unless something asks for one:
+(``gguf/config.py``), and ``LoadedModel.module`` is agentspec's module tree of the model with only
+the file's float tensors in it (norms, biases; ``gguf/tree.py``: transformers' structure without
+importing its modeling code) — the block passes multiply the file's own blocks. No float32 copy of the weights is made unless something asks for one:
 ``LoadedModel.model``, the model as transformers computes it (the reference of the tests and the
 bench's baselines, passes on float32 weights by name), dequantises the file through transformers on
 first use. Such a file as a draft model runs on its block pass too (``drafting/draft_models.py``).
@@ -71,9 +71,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoadedModel:
     """A causal LM with everything the engine needs to decode it.
 
-    ``module``: transformers' module tree the passes read the model's structure from — the model
-    itself, or for a GGUF file on the CPU the tree without its quantised weights (on the meta device;
-    ``gguf.modules.weights_on_meta``). ``model``: the model as transformers computes it, with float
+    ``module``: the module tree the passes read the model's structure from — transformers' model
+    itself, or for a GGUF file on the CPU agentspec's tree without its quantised weights (on the meta
+    device; ``gguf.tree.FileTree``, ``gguf.modules.weights_on_meta``). ``model``: the model as transformers computes it, with float
     weights (for such a file, dequantised on first use)."""
 
     name: str

@@ -63,3 +63,19 @@ async def test_a_draft_model_alone_is_still_arbitrated_and_lossless():
 async def test_bad_early_exit_depth_is_a_typed_error_at_start(draft, error, needle):
     with pytest.raises(error, match=needle):
         await agentspec.Client(draft=draft).start()
+
+
+async def test_a_tenants_requests_learn_only_from_its_own(client):
+    """What the arbiter learns about the sources (acceptance, drafting times, when a losing source is
+    tried again) is kept per cache salt, as earlier outputs are: one tenant's requests move only its
+    own history, so how fast another's are served does not follow what the first received."""
+    await wait_idle(client)
+    sources = client.draft_sources
+    shared_steps = sources.history.steps
+    messages = [*SCHEMA_PROMPT, {"role": "user", "content": TURN.format(7)}]
+    spec = await client.generate(messages, max_tokens=16, cache_salt="tenant-a")
+    plain = await client.generate(messages, max_tokens=16, speculative=False, cache_salt="tenant-a")
+    assert spec.token_ids == plain.token_ids
+    assert sources.history_of("tenant-a").steps > 0
+    assert sources.history_of("tenant-b").steps == 0 and sources.history_of("tenant-b") is not sources.history_of("tenant-a")
+    assert sources.history.steps == shared_steps  # requests without a salt keep theirs apart too

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from ..errors import InvalidRequestError, ModelLoadError
 from ..params import GenerationParams
@@ -39,7 +39,8 @@ NO_MODEL = "none"  # no draft model, not even the head shipped for the target
 
 log = logging.getLogger("agentspec.drafting")
 
-MAX_SALTED_SUFFIX_CACHES = 64  # tenants (cache salts) whose earlier outputs are kept, each up to SuffixCache.max_tokens
+MAX_SALTED_SUFFIX_CACHES = 64  # tenants (cache salts) whose earlier outputs (each up to SuffixCache.max_tokens) and source histories are kept
+T = TypeVar("T")
 
 
 def check_draft_reference(draft: Any) -> None:
@@ -56,6 +57,28 @@ def check_draft_reference(draft: Any) -> None:
         raise InvalidRequestError(f"draft={draft!r}: write 'head:PATH' with PATH the folder `agentspec train-draft --out` wrote.")
 
 
+class PerSalt(Generic[T]):
+    """One ``make()`` per cache salt, for at most ``MAX_SALTED_SUFFIX_CACHES`` salts: the least
+    recently used is forgotten."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self.make = make
+        self.by_salt: collections.OrderedDict[str, T] = collections.OrderedDict()
+
+    def get(self, salt: str, *, create: bool = False) -> T | None:
+        value = self.by_salt.get(salt)
+        if value is None and create:
+            value = self.by_salt[salt] = self.make()
+            while len(self.by_salt) > MAX_SALTED_SUFFIX_CACHES:
+                self.by_salt.popitem(last=False)
+        if value is not None:
+            self.by_salt.move_to_end(salt)
+        return value
+
+    def clear(self) -> None:
+        self.by_salt.clear()
+
+
 class DraftSources:
     """The client-wide sources; ``drafter(params)`` is the engine's ``drafter_factory``.
 
@@ -66,8 +89,9 @@ class DraftSources:
         self.loaded = loaded
         self.costs = costs
         self.suffixes = SuffixCache()  # requests without a cache_salt (every request of an embedded client)
-        self._salted: collections.OrderedDict[str, SuffixCache] = collections.OrderedDict()  # per cache_salt, LRU
-        self.history = SourceHistory()  # what requests measured about the draft model, for the next ones
+        self.history = SourceHistory()  # what those requests measured about the sources, for the next ones
+        self._salted: PerSalt[SuffixCache] = PerSalt(SuffixCache)  # a tenant's own (cache_salt), LRU
+        self._salted_history: PerSalt[SourceHistory] = PerSalt(SourceHistory)
         self.draft_model: DraftModel | None = None
         self.head: DraftHead | None = None  # a trained draft head: given, or shipped for this target
         self.head_path: Path | None = None
@@ -117,22 +141,21 @@ class DraftSources:
         if len(sources) == 1 and not isinstance(sources[0], (ModelDrafter, HeadDrafter)):
             return sources[0]
         # a model costs time to run: even alone, the arbiter runs it only when it is predicted to pay
-        return ArbiterDrafter(sources, self.costs, history=self.history)
+        return ArbiterDrafter(sources, self.costs, history=self.history_of(params.cache_salt))
 
     def suffixes_of(self, salt: str | None, *, create: bool = False) -> SuffixCache | None:
         """The earlier outputs requests of ``salt`` draft from: a tenant's own (at most
         ``MAX_SALTED_SUFFIX_CACHES`` tenants keep theirs, the least recently used is forgotten), so
         acceptance never tells one tenant what another received."""
-        if salt is None:
-            return self.suffixes
-        cache = self._salted.get(salt)
-        if cache is None and create:
-            cache = self._salted[salt] = SuffixCache()
-            while len(self._salted) > MAX_SALTED_SUFFIX_CACHES:
-                self._salted.popitem(last=False)
-        if cache is not None:
-            self._salted.move_to_end(salt)
-        return cache
+        return self.suffixes if salt is None else self._salted.get(salt, create=create)
+
+    def history_of(self, salt: str | None) -> SourceHistory:
+        """What requests of ``salt`` measured about the sources (acceptance, drafting times, when a
+        losing source is tried again): a tenant's own, like its earlier outputs, so whether and how
+        long the arbiter drafts for one tenant — its speed — never follows what another received."""
+        history = self.history if salt is None else self._salted_history.get(salt, create=True)
+        assert history is not None
+        return history
 
     def clear_suffixes(self) -> None:
         self.suffixes.clear()
