@@ -402,6 +402,10 @@ static uint64_t check_repack(int type) {
     }
     CHECK(agentspec_gguf_statistics(rows, types, N, K, 2, stats) == 0, "repack %d: statistics", type);
     CHECK(agentspec_gguf_by_lanes(rows, types, N, K, codes, mins, factored, halves, 2, out, NULL) == 0, "repack %d: by lanes", type);
+    int found[3]; /* and again, finding the statistics on the way: the same */
+    CHECK(agentspec_gguf_by_lanes(rows, types, N, K, codes, mins, factored, halves, 2, out, found) == 0, "repack %d: by lanes with statistics", type);
+    CHECK(found[0] == stats[0] && found[1] == stats[1] && found[2] == stats[2], "repack %d: statistics on the way %d %d %d, not %d %d %d", type, found[0],
+          found[1], found[2], stats[0], stats[1], stats[2]);
     float x[M * K], y[M * N];
     for (int i = 0; i < M * K; i++) x[i] = uniform();
     CHECK(agentspec_int_product(((((codes * 2 + mins) * 2 + factored) * 2 + halves) * 2) + 1, x, M, K, out, y, N, 2) == 0, "repack %d: product", type);

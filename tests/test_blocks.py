@@ -449,7 +449,7 @@ def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, 
     import gguf
 
     from agentspec.gguf import read_gguf
-    from agentspec.passes.layouts import FileBlocks, by_lanes_of_runs
+    from agentspec.passes.layouts import FileBlocks, FileRun, by_lanes_of_runs
 
     monkeypatch.setattr("agentspec.passes.layouts.RUN_WEIGHTS", 64 * 512)  # runs of 64 rows
     generator = np.random.default_rng(len(kind))
@@ -481,6 +481,9 @@ def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, 
                 continue
             laid_out, chosen = by_lanes_of_runs(parts, kernels.lanes, kernels)
             assert chosen == layout and laid_out.shape == expected.shape and torch.equal(laid_out, expected), (level, layout, len(parts))
+            # what a run finds on the way (the layouts Q4_K_M files mostly take have their own paths) is what the statistics pass finds
+            run = FileRun([(part, 0, part.shape[0]) for part in parts], kernels)
+            assert run.by_lanes_and_statistics(kernels.lanes, layout)[1] == run.code_statistics(), (level, layout, len(parts))
     if kind in ("Q8_0", "Q4_K", "Q5_K"):  # the third run needed a wider layout than the first two: the build started again
         first_runs = tensor_blocks(kind, narrow[:128]).integer_layout()
         assert first_runs != by_lanes_of_runs([FileBlocks(file.tensors["narrow"])], kernels.lanes, kernels)[1]

@@ -1557,6 +1557,13 @@ static int gguf_block_bytes(int type) {
 
 static int gguf_super(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? 8 : 1; }
 
+/* The 6-bit scale and minimum factors of block s of a Q4_K or Q5_K super-block (`packed`: its 12
+   bytes of them). */
+static inline void k_scale_min(const uint8_t *packed, int s, int *scale, int *min) {
+    *scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
+    *min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
+}
+
 /* Block b (of 32 weights) of a row of `type`. */
 static void gguf_read_block(const uint8_t *row, int type, int b, gguf_block *out) {
     const uint8_t *p = row + (size_t)(b / gguf_super(type)) * gguf_block_bytes(type);
@@ -1585,9 +1592,9 @@ static void gguf_read_block(const uint8_t *row, int type, int b, gguf_block *out
         break;
     case GGML_Q4_K:
     case GGML_Q5_K: {
-        const uint8_t *packed = p + 4, *nibbles = p + (type == GGML_Q5_K ? 48 : 16);
-        const int scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | ((packed[s - 4] >> 6) << 4);
-        const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | ((packed[s] >> 6) << 4);
+        const uint8_t *nibbles = p + (type == GGML_Q5_K ? 48 : 16);
+        int scale, min;
+        k_scale_min(p + 4, s, &scale, &min);
         for (int j = 0; j < 32; j++) {
             const int code = (nibbles[32 * (s / 2) + j] >> (4 * (s % 2))) & 15;
             out->code[j] = (int8_t)(type == GGML_Q5_K ? code | ((p[16 + j] >> s) & 1) << 4 : code);
@@ -1666,6 +1673,161 @@ static inline __attribute__((always_inline)) void lane_codes(const uint8_t u[32]
     }
 }
 
+/* The least and largest code seen at each of a block's 32 places (signed: the codes less their
+   offset, all within a byte), over the blocks of a group: the fast paths below keep them without a
+   horizontal reduction a block; code_extremes_into reduces them once a group. */
+typedef struct {
+    int8_t least[32], most[32];
+    int seen;
+} code_extremes;
+
+static inline void code_extremes_start(code_extremes *e) {
+    memset(e->least, 127, 32), memset(e->most, 128, 32), e->seen = 0;
+}
+
+static inline void code_range(const uint8_t u[32], int offset, code_extremes *e) {
+    for (int j = 0; j < 32; j++) {
+        const int8_t c = (int8_t)(u[j] - offset);
+        e->least[j] = c < e->least[j] ? c : e->least[j], e->most[j] = c > e->most[j] ? c : e->most[j];
+    }
+    e->seen = 1;
+}
+
+static inline void code_extremes_into(const code_extremes *e, int *low, int *high) {
+    if (!e->seen) return;
+    for (int j = 0; j < 32; j++) *low = e->least[j] < *low ? e->least[j] : *low, *high = e->most[j] > *high ? e->most[j] : *high;
+}
+
+/* Bits 0..7 of `eight` as bit `bit` of bytes 0..7. */
+static inline uint64_t bits_to_bytes(uint32_t eight, int bit) {
+#if defined(__BMI2__)
+    return _pdep_u64(eight, 0x0101010101010101ull << bit);
+#else
+    uint64_t out = 0;
+    for (int i = 0; i < 8; i++) out |= (uint64_t)((eight >> i) & 1) << (8 * i + bit);
+    return out;
+#endif
+}
+
+/* Bit `bit` of each of the 32 bytes `u` as bits 0..31. */
+static inline uint32_t byte_bits(const uint8_t u[32], int bit) {
+    uint64_t w[4];
+    uint32_t out = 0;
+    memcpy(w, u, 32);
+    for (int h = 0; h < 4; h++) {
+#if defined(__BMI2__)
+        out |= (uint32_t)_pext_u64(w[h], 0x0101010101010101ull << bit) << (8 * h);
+#else
+        for (int i = 0; i < 8; i++) out |= (uint32_t)((w[h] >> (8 * i + bit)) & 1) << (8 * h + i);
+#endif
+    }
+    return out;
+}
+
+/* Bits i, i + 4, ..., i + 28 of `x` as bits 0..7. */
+static inline uint32_t every_fourth_bit(uint32_t x, int i) {
+    uint32_t t = (x >> i) & 0x11111111u;
+    t = (t | t >> 3) & 0x03030303u;
+    t = (t | t >> 6) & 0x000F000Fu;
+    return (t | t >> 12) & 0xFFu;
+}
+
+#define LOW_NIBBLES 0x0F0F0F0F0F0F0F0Full
+
+/* The two layouts most of a Q4_K_M file takes, written straight from the file's bytes: the same
+   bytes (and statistics) as gguf_read_block and lane_codes give, without unpacking code by code.
+   A Q5_0 block in 5-bit codes (offset 16: the file's 5-bit values): its 4-bit registers are the
+   file's nibble bytes as they are, its fifth-bit register a shuffle of the file's high bits. */
+static inline void q5_0_lanes(const uint8_t *p, uint8_t *at, uint8_t *values, int o, code_extremes *stats, int *factored) {
+    uint32_t qh, fifth = 0;
+    uint16_t bits;
+    memcpy(&qh, p + 2, 4);
+    for (int r = 0; r < 4; r++) memcpy(at + ((size_t)r * LANES + o) * 4, p + 6 + 4 * r, 4);
+    for (int i = 0; i < 4; i++) fifth |= every_fourth_bit(qh, i) << (8 * i); /* byte i, bit j: code 4j + i's */
+    memcpy(at + ((size_t)4 * LANES + o) * 4, &fifth, 4);
+    const int exact = half_bits(half_value(p), &bits);
+    memcpy(values + (size_t)o * 2, &bits, 2);
+    if (stats) { /* codes 0..15: the low nibbles, 16..31 the high ones, each with its fifth bit */
+        uint64_t q[2], u[4];
+        memcpy(q, p + 6, 16);
+        for (int h = 0; h < 2; h++) {
+            u[h] = (q[h] & LOW_NIBBLES) | bits_to_bytes((qh >> (8 * h)) & 255, 4);
+            u[2 + h] = ((q[h] >> 4) & LOW_NIBBLES) | bits_to_bytes((qh >> (16 + 8 * h)) & 255, 4);
+        }
+        code_range((const uint8_t *)u, 16, stats);
+        *factored |= !exact;
+    }
+}
+
+/* Block s of a Q4_K super-block `p` in 4-bit codes with minimums, factored (the 6-bit factors, and
+   the super-block's d and -dmin in `super` before its first block) or not (each block's scale and
+   minimum as float16): each register's bytes the block's nibbles (the low or high halves of the
+   file's 32 bytes of them), re-paired. */
+static inline void q4_k_lanes(const uint8_t *p, int s, int factored_layout, uint8_t *at, uint8_t *values, uint8_t *super, int o, code_extremes *stats,
+                              int *factored) {
+    const uint8_t *q = p + 16 + 32 * (s / 2);
+    const int shift = 4 * (s % 2);
+    uint64_t w[4];
+    memcpy(w, q, 32);
+    for (int h = 0; h < 4; h++) w[h] = (w[h] >> shift) & LOW_NIBBLES; /* code j at byte j */
+    for (int r = 0; r < 4; r++) {
+        uint32_t first, second, out;
+        memcpy(&first, (const uint8_t *)w + 4 * r, 4), memcpy(&second, (const uint8_t *)w + 16 + 4 * r, 4);
+        out = first | second << 4;
+        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
+    }
+    int scale, min;
+    uint16_t bits;
+    k_scale_min(p + 4, s, &scale, &min);
+    const float d = half_value(p), dmin = half_value(p + 2), block_scale = d * (float)scale, block_min = -(dmin * (float)min);
+    int exact;
+    if (factored_layout) {
+        values[o] = (uint8_t)scale, values[(size_t)LANES + o] = (uint8_t)min;
+        if (super) half_bits(d, &bits), memcpy(super + (size_t)o * 2, &bits, 2), half_bits(-dmin, &bits), memcpy(super + ((size_t)LANES + o) * 2, &bits, 2);
+        exact = *factored || !stats || (half_bits(block_scale, &bits) && half_bits(block_min, &bits)); /* looked at only where needed */
+    } else {
+        exact = half_bits(block_scale, &bits), memcpy(values + (size_t)o * 2, &bits, 2);
+        exact = half_bits(block_min, &bits) && exact, memcpy(values + ((size_t)LANES + o) * 2, &bits, 2);
+    }
+    if (stats) {
+        code_range((const uint8_t *)w, 0, stats);
+        *factored |= !exact;
+    }
+}
+
+/* Block s of a Q6_K super-block `p` in factored 6-bit codes with a scale per half (offset 32: the
+   file's 6-bit values; Q6_K's layout is always factored): the 4-bit registers re-paired from its
+   low nibbles, the fifth- and sixth-bit registers shuffled from its 2-bit highs, each half's factor,
+   and the super-block's d in `super` before its first block. */
+static inline void q6_k_lanes(const uint8_t *p, int s, uint8_t *at, uint8_t *values, uint8_t *super, int o, code_extremes *stats) {
+    const int n = s / 4, shift = 4 * ((s / 2) % 2), k = s % 4;
+    const uint8_t *low = p + 64 * n + 32 * (s % 2), *upper = p + 128 + 32 * n;
+    uint64_t w[4], h[4];
+    memcpy(w, low, 32), memcpy(h, upper, 32);
+    for (int i = 0; i < 4; i++) w[i] = (w[i] >> shift) & LOW_NIBBLES, h[i] = (h[i] >> (2 * k)) & 0x0303030303030303ull; /* byte j: code j's */
+    for (int r = 0; r < 4; r++) {
+        uint32_t first, second, out;
+        memcpy(&first, (const uint8_t *)w + 4 * r, 4), memcpy(&second, (const uint8_t *)w + 16 + 4 * r, 4);
+        out = first | second << 4;
+        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
+    }
+    for (int bit = 0; bit < 2; bit++) { /* byte i, bit j: code 4j + i's fifth (sixth) bit */
+        const uint32_t bits = byte_bits((const uint8_t *)h, bit);
+        uint32_t out = 0;
+        for (int i = 0; i < 4; i++) out |= every_fourth_bit(bits, i) << (8 * i);
+        memcpy(at + ((size_t)(4 + bit) * LANES + o) * 4, &out, 4);
+    }
+    for (int half = 0; half < 2; half++) values[(size_t)half * LANES + o] = p[192 + 2 * s + half];
+    if (super) {
+        uint16_t bits;
+        half_bits(half_value(p + 208), &bits), memcpy(super + (size_t)o * 2, &bits, 2);
+    }
+    if (stats) {
+        for (int i = 0; i < 4; i++) w[i] |= h[i] << 4;
+        code_range((const uint8_t *)w, 32, stats);
+    }
+}
+
 /* rows[0..n) as Blocks.by_lanes(LANES, layout) lays them out (codes: 0 bytes, 1 4-bit, 2 5-bit,
    3 6-bit; mins, factored, halves: IntegerLayout's), n padded to a multiple of LANES with zeros:
    [ceil(n / LANES), bytes a group] into `out`; and, where `stats` is not NULL, their statistics
@@ -1688,14 +1850,30 @@ int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n,
         const int lanes = n - g * LANES < LANES ? n - g * LANES : LANES; /* the last group's others are zeros */
         uint8_t *group = out + g * group_bytes;
         memset(group, 0, group_bytes);
+        code_extremes seen; /* the fast paths' codes */
+        code_extremes_start(&seen);
         for (int b = 0; b < blocks; b++) {
             /* a group: per super-block of 8 blocks (factored), its values, then its blocks */
             uint8_t *at = group + (factored ? (size_t)(b / 8 + 1) * super_bytes : 0) + (size_t)b * block_bytes, *values = at + code_bytes;
             for (int o = 0; o < lanes; o++) {
+                const int type = types[g * LANES + o];
+                if (type == GGML_Q5_0 && codes == CODES_5BIT && !mins && !factored && !halves) {
+                    q5_0_lanes(rows[g * LANES + o] + (size_t)b * 22, at, values, o, stats ? &seen : NULL, &found_factored);
+                    continue;
+                }
+                if (type == GGML_Q4_K && codes == CODES_4BIT && mins && !halves) {
+                    q4_k_lanes(rows[g * LANES + o] + (size_t)(b / 8) * 144, b % 8, factored, at, values, factored && b % 8 == 0 ? at - super_bytes : NULL, o,
+                               stats ? &seen : NULL, &found_factored);
+                    continue;
+                }
+                if (type == GGML_Q6_K && codes == CODES_6BIT && !mins && factored && halves) {
+                    q6_k_lanes(rows[g * LANES + o] + (size_t)(b / 8) * 210, b % 8, at, values, b % 8 == 0 ? at - super_bytes : NULL, o, stats ? &seen : NULL);
+                    continue;
+                }
                 gguf_block block;
                 uint16_t bits;
-                gguf_read_block(rows[g * LANES + o], types[g * LANES + o], b, &block);
-                if (stats) block_statistics(&block, types[g * LANES + o], &found_factored, &low, &high);
+                gguf_read_block(rows[g * LANES + o], type, b, &block);
+                if (stats) block_statistics(&block, type, &found_factored, &low, &high);
                 if (factored && b % 8 == 0)
                     for (int k = 0; k < 1 + mins; k++) half_bits(block.super[k], &bits), memcpy(at - super_bytes + ((size_t)k * LANES + o) * 2, &bits, 2);
                 uint8_t u[32]; /* unsigned codes: offset where there is no minimum (wrapping as a byte) */
@@ -1714,6 +1892,7 @@ int agentspec_gguf_by_lanes(const uint8_t *const *rows, const int *types, int n,
                 }
             }
         }
+        code_extremes_into(&seen, &low, &high);
     }
     if (stats) stats[0] = found_factored, stats[1] = low, stats[2] = high;
     return 0;
