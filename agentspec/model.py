@@ -358,8 +358,11 @@ def read_model(ref: str | Path | None, device: torch.device, dtype: torch.dtype)
         _return_freed_memory()  # the tokenizer's conversion leaves ~95 MB freed on the C heap (Qwen's 151,936 tokens)
         from .gguf.tree import file_tree, file_tree_reads
 
-        # agentspec's own tree where it reads the config (no transformers modeling import: seconds of start-up)
-        tree = file_tree if file_tree_reads(config) else module_tree
+        # agentspec's own tree where it reads the config (no transformers modeling import: seconds of
+        # start-up) and the block passes take some of the file's matrices; a file of float matrices
+        # only is transformers' model, whole
+        blocks = any(tensor.type_name in GGUF_TYPES for tensor in gguf.tensors.values())
+        tree = file_tree if file_tree_reads(config) and blocks else module_tree
         module = tree(gguf, config, quantised=frozenset(GGUF_TYPES))
         if transformers_reads(gguf):  # the reference, on demand: transformers' own reading of the file
             float_model = lambda: _positionwise(_transformers_model(ref, device, dtype, gguf)[0])  # noqa: E731

@@ -7,6 +7,7 @@ writes them, Q8_0 projections and embedding), and on the default model's real fi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -182,9 +183,30 @@ def test_a_rotary_table_that_changes_with_the_length_goes_to_transformers_tree(f
     else:
         changed.rope_parameters = {**changed.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
     assert not file_tree_reads(changed)
+    if name == "gemma3_text":  # LongRoPE is pinned per position for a model's one table, not per layer type
+        for kind in set(changed.layer_types):
+            changed.rope_parameters[kind] = {**config.rope_parameters[kind], "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                             "original_max_position_embeddings": 64}
+        assert not file_tree_reads(changed)
 
 
-def test_a_file_without_a_norm_the_model_needs_is_refused(loaded, tmp_path):
+def test_a_file_of_float_matrices_is_transformers_model_whole(loaded, tmp_path):
+    """A GGUF file whose matrices are all float (F16 here) has no blocks for the block passes: its
+    tree is transformers' model with every weight, and "auto" runs a float pass on it."""
+    model = family_model("qwen2", loaded.vocab_size, seed=4)
+    path = tmp_path / "f16.gguf"
+    write_gguf(model, loaded.gguf_file, path, quant="F16")
+    read = read_model(path, CPU, F32)
+    assert not isinstance(read.module, FileTree) and not weights_on_meta(read.module)
+    engine = Engine(read)
+    assert not isinstance(engine.forward, BlockPass)
+    assert drafted_matching_plain(engine, read, ["one two three one two three one two three one two"], max_tokens=6) > 0
+
+
+@pytest.mark.parametrize("dropped, needed", [("blk.1.ffn_norm.weight", "post_attention_layernorm"), ("blk.0.attn_q.bias", "q_proj.bias")])
+def test_a_file_without_a_tensor_the_model_needs_is_refused(loaded, tmp_path, dropped, needed):
+    """A norm, or a bias the family always has (Qwen2's q/k/v), missing from the file: a
+    ``ModelLoadError`` naming it at load (llama.cpp refuses such a file too)."""
     from agentspec.errors import ModelLoadError
 
     model = family_model("qwen2", loaded.vocab_size, seed=3)
@@ -198,13 +220,13 @@ def test_a_file_without_a_norm_the_model_needs_is_refused(loaded, tmp_path):
             continue
         writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     for tensor in source.tensors:
-        if tensor.name != "blk.1.ffn_norm.weight":
+        if tensor.name != dropped:
             writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="post_attention_layernorm"):
+    with pytest.raises(ModelLoadError, match=re.escape(needed)):
         read_model(cut, CPU, F32)
 
 

@@ -16,7 +16,7 @@ tree per family: the same description, the same tensors bit for bit, the same lo
 The tree has no ``forward``: where a float model is needed (another pass by name, a draft model, the
 tests' reference) ``LoadedModel.model`` builds transformers' own. ``file_tree_reads`` says which
 configurations it builds (a rotary embedding that changes with the sequence's length, "dynamic",
-goes to transformers' tree).
+goes to transformers' tree, as does a file whose matrices are all float: that tree is the model).
 """
 
 from __future__ import annotations
@@ -34,9 +34,23 @@ __all__ = ["file_tree", "file_tree_reads", "FileTree", "RotaryTable"]
 META = torch.device("meta")
 # Families whose attention modules carry a window per layer (the config's layer_types), as transformers' do
 WINDOW_PER_LAYER = ("qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3")
+MLP_BIAS = ("llama", "smollm3", "granite")  # families whose MLP has biases where config.mlp_bias says
 SCALED_EMBEDDING = ("gemma", "gemma2", "gemma3_text")  # embeddings times sqrt(hidden): a buffer of the embedding module
 # rotary types whose tables are fixed at build (LongRoPE's two are pinned per position: passes/rope.py)
 FIXED_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """Whether transformers' attention of ``config`` has biases on q/k/v, and on its output: Qwen2's
+    on q/k/v always, Mistral's and Phi-3's none, the others' as ``attention_bias`` says. (A bias the
+    file has beyond these is loaded too: ``modules.load_float_tensors``.)"""
+    kind = config.model_type
+    if kind == "qwen2":
+        return True, False
+    if kind in ("mistral", "phi3"):
+        return False, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
 
 
 def _head_dim(config: Any) -> int:
@@ -58,8 +72,9 @@ def file_tree_reads(config: Any) -> bool:
 
     if config.model_type not in FAMILIES:
         return False
-    try:
-        return all(params.get("rope_type", "default") in FIXED_ROPE for _, params in _rope_parameters(config))
+    try:  # LongRoPE is pinned per position for one table only (passes/rope.py), not per layer type
+        return all(params.get("rope_type", "default") in FIXED_ROPE and not (kind is not None and params.get("rope_type") == "longrope")
+                   for kind, params in _rope_parameters(config))
     except (AttributeError, KeyError, TypeError):
         return False
 
@@ -120,11 +135,11 @@ class _Norm(nn.Module):
 
 
 class _Linear(nn.Linear):
-    """A linear module whose weight is on the meta device until loaded (no initialisation: on meta
-    it would import torch's compiler)."""
+    """A linear module whose weight (and bias) is on the meta device until loaded (no initialisation:
+    on meta it would import torch's compiler)."""
 
-    def __init__(self, inputs: int, outputs: int) -> None:
-        super().__init__(inputs, outputs, bias=False, device=META)
+    def __init__(self, inputs: int, outputs: int, bias: bool = False) -> None:
+        super().__init__(inputs, outputs, bias=bias, device=META)
 
     def reset_parameters(self) -> None:
         pass
@@ -146,9 +161,10 @@ class _Attention(nn.Module):
         hidden, head_dim = config.hidden_size, _head_dim(config)
         q_size, kv_size = config.num_attention_heads * head_dim, (config.num_key_value_heads or config.num_attention_heads) * head_dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size, "qkv_proj": q_size + 2 * kv_size}
+        qkv_bias, o_bias = _attention_biases(config)
         for name in family.qkv:
-            setattr(self, name, _Linear(hidden, sizes[name]))
-        self.o_proj = _Linear(q_size, hidden)
+            setattr(self, name, _Linear(hidden, sizes[name], qkv_bias))
+        self.o_proj = _Linear(q_size, hidden, o_bias)
         if family.qk_norm:
             self.q_norm, self.k_norm = _Norm(head_dim, config.rms_norm_eps), _Norm(head_dim, config.rms_norm_eps)
         kind = config.model_type
@@ -167,9 +183,10 @@ class _MLP(nn.Module):
     def __init__(self, config: Any, family: Any) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
+        bias = config.model_type in MLP_BIAS and bool(getattr(config, "mlp_bias", False))
         for name in family.gate_up:
-            setattr(self, name, _Linear(hidden, inner * (2 if name == "gate_up_proj" else 1)))
-        self.down_proj = _Linear(inner, hidden)
+            setattr(self, name, _Linear(hidden, inner * (2 if name == "gate_up_proj" else 1), bias))
+        self.down_proj = _Linear(inner, hidden, bias)
 
 
 class _Layer(nn.Module):
