@@ -7,8 +7,8 @@ A ``.gguf`` file on the CPU (float32, a family of ``passes/arch.py``) is the mod
 reader checks and maps it, the configuration and tokenizer come from its metadata
 (``gguf/config.py``), and ``LoadedModel.module`` is agentspec's module tree of the model with only
 the file's float tensors in it (norms, biases; ``gguf/tree.py``: transformers' structure without
-importing its modeling code) — the block passes multiply the file's own blocks. No float32 copy of the weights is made unless something asks for one:
-``LoadedModel.model``, the model as transformers computes it (the reference of the tests and the
+importing its modeling code) — the block passes multiply the file's own blocks. No float32 copy of
+the weights is made unless something asks for one: ``LoadedModel.model``, the model as transformers computes it (the reference of the tests and the
 bench's baselines, passes on float32 weights by name), dequantises the file through transformers on
 first use. Such a file as a draft model runs on its block pass too (``drafting/draft_models.py``).
 
@@ -73,8 +73,8 @@ class LoadedModel:
 
     ``module``: the module tree the passes read the model's structure from — transformers' model
     itself, or for a GGUF file on the CPU agentspec's tree without its quantised weights (on the meta
-    device; ``gguf.tree.FileTree``, ``gguf.modules.weights_on_meta``). ``model``: the model as transformers computes it, with float
-    weights (for such a file, dequantised on first use)."""
+    device; ``gguf.tree.FileTree``, ``gguf.modules.weights_on_meta``). ``model``: the model as
+    transformers computes it, with float weights (for such a file, dequantised on first use)."""
 
     name: str
     module: Any

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -163,3 +165,26 @@ def tiny_model(loaded: LoadedModel, *, seed: int = 0, hidden: int = 32, layers: 
     )
     model = LlamaForCausalLM(config).eval()
     return loaded.with_model(model, name=f"tiny-{seed}", context_window=512)  # not the file's weights
+
+
+def rewrite_gguf(source: Path, path: Path, convert: Callable[[str, Any, Any], tuple[Any, Any] | None]) -> None:
+    """``source`` as a new GGUF file at ``path``: the same metadata, each tensor as ``convert(name,
+    bytes or values, type)`` gives it (None: left out)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        converted = convert(tensor.name, np.asarray(tensor.data), tensor.tensor_type)
+        if converted is not None:
+            writer.add_tensor(tensor.name, converted[0], raw_dtype=converted[1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -28,7 +28,7 @@ from agentspec.passes.products import GGUFBlocks
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
 from agentspec.passes.weights import onednn_linear
 
-from .conftest import VOCABULARIES, drafted_matching_plain, real_vocab
+from .conftest import VOCABULARIES, drafted_matching_plain, real_vocab, rewrite_gguf
 from .test_families import SMALL, family_model, q8_0_blocks, write_gguf
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -213,19 +213,7 @@ def test_a_file_without_a_tensor_the_model_needs_is_refused(loaded, tmp_path, dr
     q8_0_blocks(model)
     whole, cut = tmp_path / "whole.gguf", tmp_path / "cut.gguf"
     write_gguf(model, loaded.gguf_file, whole)
-    source = gguf.GGUFReader(str(whole))
-    writer = gguf.GGUFWriter(str(cut), "qwen2")
-    for field in source.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for tensor in source.tensors:
-        if tensor.name != dropped:
-            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rewrite_gguf(whole, cut, lambda name, data, kind: None if name == dropped else (data, kind))
     with pytest.raises(ModelLoadError, match=re.escape(needed)):
         read_model(cut, CPU, F32)
 

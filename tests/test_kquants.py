@@ -10,8 +10,7 @@ gguf-py quantises Q4_0, Q5_0, Q5_1 and Q8_0; the K-quant blocks are encoded here
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from agentspec.model import load_model
 from agentspec.params import GenerationParams
 from agentspec.types import SpecConfig
 
-from .conftest import decode, drafted_matching_plain
+from .conftest import decode, drafted_matching_plain, rewrite_gguf
 
 
 def _half_bytes(values: np.ndarray) -> np.ndarray:
@@ -94,27 +93,6 @@ LAYOUT = (
 )
 
 
-def _rewrite(source: Path, path: Path, convert: Callable[[str, np.ndarray, Any], tuple[np.ndarray, Any]]) -> None:
-    """``source`` as a new GGUF file at ``path``: the same metadata, each tensor as ``convert(name,
-    bytes or values, type)`` gives it."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        data, kind = convert(tensor.name, np.asarray(tensor.data), tensor.tensor_type)
-        writer.add_tensor(tensor.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def _to_layout(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
     import gguf
 
@@ -139,7 +117,7 @@ def _to_float(name: str, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
 def mixed(loaded, tmp_path_factory):
     """The default model as a file of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors, loaded."""
     path = tmp_path_factory.mktemp("kquants") / "SmolLM2-135M-Instruct.mixed.gguf"
-    _rewrite(loaded.gguf_file, path, _to_layout)
+    rewrite_gguf(loaded.gguf_file, path, _to_layout)
     model = load_model(path)
     if blocks_unsupported(model.model, model.gguf_file) is not None:
         pytest.skip(f"the GGUF block pass cannot run here: {blocks_unsupported(model.model, model.gguf_file)}")
@@ -203,6 +181,6 @@ def test_a_file_without_block_types_the_kernels_read_is_refused_with_the_types(m
     """read_blocks names the types it reads where a file has none of them (here: every linear weight
     of the mixed file stored as float32)."""
     path = tmp_path / "float.gguf"
-    _rewrite(mixed.gguf_file, path, _to_float)
+    rewrite_gguf(mixed.gguf_file, path, _to_float)
     with pytest.raises(NotImplementedError, match="has no weights of the types the kernels read"):
         read_blocks(mixed.model, path)

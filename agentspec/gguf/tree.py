@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..passes.rope import cos_sin
 from .modules import load_float_tensors
 from .reader import GGUFFile
 
@@ -88,11 +89,8 @@ class RotaryTable(nn.Module):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         super().__init__()
-        self.config = config
-        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         tables = _rope_parameters(config)
-        self.per_layer_type = tables[0][0] is not None
-        self.rope_type: Any = {} if self.per_layer_type else tables[0][1]["rope_type"]
+        self.rope_type: Any = tables[0][1]["rope_type"] if tables[0][0] is None else {}  # read by passes/rope.pin_long_rope
         self.scalings: dict[str | None, float] = {}
         for kind, params in tables:
             rope_type = params.get("rope_type", "default")
@@ -108,8 +106,6 @@ class RotaryTable(nn.Module):
             self.register_buffer(f"{prefix}inv_freq", inverse, persistent=False)
             self.register_buffer(f"{prefix}original_inv_freq", inverse.clone(), persistent=False)
             self.scalings[kind] = scaling
-            if kind is None:
-                self.attention_scaling = scaling
 
     @staticmethod
     def _default(config: Any, params: dict[str, Any]) -> torch.Tensor:
@@ -121,10 +117,7 @@ class RotaryTable(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         inverse = getattr(self, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
-        scaling = self.scalings[layer_type]
-        freqs = position_ids[..., None].float() * inverse.to(device=x.device, dtype=torch.float)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * scaling).to(dtype=x.dtype), (angles.sin() * scaling).to(dtype=x.dtype)
+        return cos_sin(position_ids[..., None].float() * inverse.to(device=x.device, dtype=torch.float), self.scalings[layer_type], x.dtype)
 
 
 class _Norm(nn.Module):

@@ -1734,17 +1734,35 @@ static inline uint32_t every_fourth_bit(uint32_t x, int i) {
 
 #define LOW_NIBBLES 0x0F0F0F0F0F0F0F0Full
 
+/* The 4-bit registers of a block whose code j is byte j of `codes` (0..15), for lane o: register r's
+   byte i holds codes 4r + i (low nibble) and 16 + 4r + i (high nibble). */
+static inline void nibble_registers(const uint64_t codes[4], uint8_t *at, int o) {
+    for (int r = 0; r < 4; r++) {
+        uint32_t first, second, out;
+        memcpy(&first, (const uint8_t *)codes + 4 * r, 4), memcpy(&second, (const uint8_t *)codes + 16 + 4 * r, 4);
+        out = first | second << 4;
+        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
+    }
+}
+
+/* A register of one bit of each code, for lane o (register `index`) from `bits` (bit t: code t's):
+   byte i, bit j holds code 4j + i's. */
+static inline void bit_register(uint32_t bits, uint8_t *at, int index, int o) {
+    uint32_t out = 0;
+    for (int i = 0; i < 4; i++) out |= every_fourth_bit(bits, i) << (8 * i);
+    memcpy(at + ((size_t)index * LANES + o) * 4, &out, 4);
+}
+
 /* The two layouts most of a Q4_K_M file takes, written straight from the file's bytes: the same
    bytes (and statistics) as gguf_read_block and lane_codes give, without unpacking code by code.
    A Q5_0 block in 5-bit codes (offset 16: the file's 5-bit values): its 4-bit registers are the
    file's nibble bytes as they are, its fifth-bit register a shuffle of the file's high bits. */
 static inline void q5_0_lanes(const uint8_t *p, uint8_t *at, uint8_t *values, int o, code_extremes *stats, int *factored) {
-    uint32_t qh, fifth = 0;
+    uint32_t qh;
     uint16_t bits;
     memcpy(&qh, p + 2, 4);
     for (int r = 0; r < 4; r++) memcpy(at + ((size_t)r * LANES + o) * 4, p + 6 + 4 * r, 4);
-    for (int i = 0; i < 4; i++) fifth |= every_fourth_bit(qh, i) << (8 * i); /* byte i, bit j: code 4j + i's */
-    memcpy(at + ((size_t)4 * LANES + o) * 4, &fifth, 4);
+    bit_register(qh, at, 4, o);
     const int exact = half_bits(half_value(p), &bits);
     memcpy(values + (size_t)o * 2, &bits, 2);
     if (stats) { /* codes 0..15: the low nibbles, 16..31 the high ones, each with its fifth bit */
@@ -1770,12 +1788,7 @@ static inline void q4_k_lanes(const uint8_t *p, int s, int factored_layout, uint
     uint64_t w[4];
     memcpy(w, q, 32);
     for (int h = 0; h < 4; h++) w[h] = (w[h] >> shift) & LOW_NIBBLES; /* code j at byte j */
-    for (int r = 0; r < 4; r++) {
-        uint32_t first, second, out;
-        memcpy(&first, (const uint8_t *)w + 4 * r, 4), memcpy(&second, (const uint8_t *)w + 16 + 4 * r, 4);
-        out = first | second << 4;
-        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
-    }
+    nibble_registers(w, at, o);
     int scale, min;
     uint16_t bits;
     k_scale_min(p + 4, s, &scale, &min);
@@ -1805,18 +1818,8 @@ static inline void q6_k_lanes(const uint8_t *p, int s, uint8_t *at, uint8_t *val
     uint64_t w[4], h[4];
     memcpy(w, low, 32), memcpy(h, upper, 32);
     for (int i = 0; i < 4; i++) w[i] = (w[i] >> shift) & LOW_NIBBLES, h[i] = (h[i] >> (2 * k)) & 0x0303030303030303ull; /* byte j: code j's */
-    for (int r = 0; r < 4; r++) {
-        uint32_t first, second, out;
-        memcpy(&first, (const uint8_t *)w + 4 * r, 4), memcpy(&second, (const uint8_t *)w + 16 + 4 * r, 4);
-        out = first | second << 4;
-        memcpy(at + ((size_t)r * LANES + o) * 4, &out, 4);
-    }
-    for (int bit = 0; bit < 2; bit++) { /* byte i, bit j: code 4j + i's fifth (sixth) bit */
-        const uint32_t bits = byte_bits((const uint8_t *)h, bit);
-        uint32_t out = 0;
-        for (int i = 0; i < 4; i++) out |= every_fourth_bit(bits, i) << (8 * i);
-        memcpy(at + ((size_t)(4 + bit) * LANES + o) * 4, &out, 4);
-    }
+    nibble_registers(w, at, o);
+    for (int bit = 0; bit < 2; bit++) bit_register(byte_bits((const uint8_t *)h, bit), at, 4 + bit, o); /* the fifth and sixth bits */
     for (int half = 0; half < 2; half++) values[(size_t)half * LANES + o] = p[192 + 2 * s + half];
     if (super) {
         uint16_t bits;

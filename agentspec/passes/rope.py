@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PositionwiseLongRope", "pin_long_rope"]
+__all__ = ["PositionwiseLongRope", "pin_long_rope", "cos_sin"]
 
 
 class PositionwiseLongRope(nn.Module):
@@ -47,9 +47,14 @@ class PositionwiseLongRope(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         positions = position_ids[..., None]
         table = torch.where(positions < self.original, self.short.to(x.device), self.long.to(x.device))
-        freqs = positions.float() * table
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
+        return cos_sin(positions.float() * table, self.attention_scaling, x.dtype)
+
+
+def cos_sin(freqs: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the angles ``freqs`` [..., dims / 2], each half of the head rotated by the same
+    angles, times ``scaling``, in ``dtype``: as transformers' rotary embeddings finish."""
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
 
 def pin_long_rope(model: Any) -> bool:
