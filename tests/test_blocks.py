@@ -443,9 +443,11 @@ def _exact_scales(raw: np.ndarray, kind: str) -> np.ndarray:
 def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, tmp_path, monkeypatch):
     """``FileRun``: the compiled repacker (blocks.c: agentspec_gguf_by_lanes) lays a mapped file's rows
     out for the integer products in the bytes ``Blocks.by_lanes`` gives of ``tensor_blocks``, in the
-    layout they choose, on every level's lanes: random codes; codes that fit fewer bits and scales that
-    are float16 values in the first runs and not in a later one (the build starts again in the wider
-    layout); llama.cpp's interleaved rotary halves undone; and a product whose parts are two types."""
+    layout they choose, on every level's lanes: random codes (read once: the first run is laid out in
+    the layout of its type's whole range as it is read); codes that fit fewer bits and scales that are
+    float16 values in the first runs and not in a later one (the build starts in the type's layout, again
+    in the narrower one, then again in the wider one); llama.cpp's interleaved rotary halves undone; and
+    a product whose parts are two types."""
     import gguf
 
     from agentspec.gguf import read_gguf
@@ -487,3 +489,8 @@ def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, 
     if kind in ("Q8_0", "Q4_K", "Q5_K"):  # the third run needed a wider layout than the first two: the build started again
         first_runs = tensor_blocks(kind, narrow[:128]).integer_layout()
         assert first_runs != by_lanes_of_runs([FileBlocks(file.tensors["narrow"])], kernels.lanes, kernels)[1]
+    # codes over their type's whole range: the first run too is laid out as it is read, no statistics pass
+    statistics_passes = []
+    monkeypatch.setattr(FileRun, "code_statistics", lambda run: statistics_passes.append(run) or pytest.fail("a statistics pass"))
+    assert torch.equal(by_lanes_of_runs([FileBlocks(file.tensors["random"])], kernels.lanes, kernels)[0], by_lanes_of_runs([FileBlocks(file.tensors["random"])], kernels.lanes)[0])
+    assert not statistics_passes

@@ -61,6 +61,12 @@ INTEGER_ACTIVATIONS = ("q8", "q16")
 INTEGER_CODES = ("bytes", "4-bit", "5-bit", "6-bit")
 INTEGER_OFFSETS = {"bytes": 128, "4-bit": 8, "5-bit": 16, "6-bit": 32}
 SUPER = 8  # blocks of a K-quant super-block (256 weights): their scales share a float16 one (blocks.c: SUPER)
+# ``code_statistics`` of a GGUF type's blocks over its whole range of codes, scales as the type keeps
+# them: the integer layout a matrix of that type nearly always takes (``by_lanes_of_runs`` starts in it)
+FULL_RANGE = {
+    "Q4_0": (False, -8, 7), "Q4_1": (False, 0, 15), "Q5_0": (False, -16, 15), "Q5_1": (False, 0, 31), "Q8_0": (False, -127, 127),
+    "Q4_K": (True, 0, 15), "Q5_K": (True, 0, 31), "Q6_K": (True, -32, 31),
+}
 
 
 @dataclass(frozen=True)
@@ -502,6 +508,16 @@ def _run_rows(inputs: int) -> int:
     return max(RUN_ALIGN, RUN_WEIGHTS // inputs // RUN_ALIGN * RUN_ALIGN)
 
 
+def _full_range_layout(parts: Sequence[Part]) -> IntegerLayout | None:
+    """The integer layout of blocks of the first part's GGUF type over its whole range (``FULL_RANGE``),
+    or None where the integer products take no such blocks."""
+    statistics = FULL_RANGE.get(parts[0].tensor.type_name)  # type: ignore[union-attr]
+    if statistics is None:
+        return None
+    layout = integer_layout_of(parts[0].kind, all(part.tensor.type_name in _K_QUANTS for part in parts), *statistics)  # type: ignore[union-attr]
+    return layout if isinstance(layout, IntegerLayout) else None
+
+
 class _Relayout(Exception):
     """A run's blocks need another integer layout than the runs before them took."""
 
@@ -537,14 +553,17 @@ def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[t
     kind, statistics, factors = parts[0].kind, None, True
     if kernels is not None and not all(isinstance(part, FileBlocks) and part.tensor.type_name in GGML_NUMBERS for part in parts):
         kernels = None
+    # From the file, the first run too is laid out as it is read, in the layout of its type's whole
+    # range (its statistics found on the way); where they want another, it is built again in that one
+    guess = _full_range_layout(parts) if kernels is not None else None
     while True:
         layout: IntegerLayout | None = None
 
         def layout_of(run: Blocks | FileRun, into: torch.Tensor | None = None) -> torch.Tensor:
-            nonlocal layout, statistics, factors
-            laid_out = None
-            if layout is not None and isinstance(run, FileRun):  # in the layout so far, the statistics found on the way
-                laid_out, found = run.by_lanes_and_statistics(lanes, layout, into)
+            nonlocal layout, statistics, factors, guess
+            laid_out, writing = None, layout or guess
+            if writing is not None and isinstance(run, FileRun):  # in the layout so far (or guessed), the statistics found on the way
+                laid_out, found = run.by_lanes_and_statistics(lanes, writing, into)
             else:
                 found = run.code_statistics()
             statistics = found if statistics is None else (statistics[0] or found[0], min(statistics[1], found[1]), max(statistics[2], found[2]))
@@ -552,7 +571,8 @@ def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[t
             wanted = integer_layout_of(kind, factors, *statistics)
             if isinstance(wanted, str):
                 raise NotImplementedError(wanted)
-            if layout is not None and wanted != layout:
+            if writing is not None and wanted != writing:
+                guess = None
                 raise _Relayout
             layout = wanted
             return laid_out if laid_out is not None else run.by_lanes(lanes, wanted)
