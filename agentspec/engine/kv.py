@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..passes.arch import head_dim
+
 __all__ = ["KVLayout", "KVBlock"]
 
 
@@ -33,12 +35,11 @@ class KVLayout:
     def of(cls, model: Any) -> "KVLayout":
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         weight = model.get_output_embeddings().weight
         # a GGUF file's module tree keeps its weights in the file (meta device) and runs on the CPU
         device = torch.device("cpu") if weight.device.type == "meta" else weight.device
-        return cls(config.num_hidden_layers, kv_heads, head_dim, weight.dtype, device)
+        return cls(config.num_hidden_layers, kv_heads, head_dim(config), weight.dtype, device)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..passes.arch import head_dim
 from ..passes.rope import cos_sin
 from .modules import load_float_tensors
 from .reader import GGUFFile
@@ -52,10 +53,6 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
         return False, False
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _rope_parameters(config: Any) -> list[tuple[str | None, dict[str, Any]]]:
@@ -110,7 +107,7 @@ class RotaryTable(nn.Module):
     @staticmethod
     def _default(config: Any, params: dict[str, Any]) -> torch.Tensor:
         """Plain RoPE's frequencies over the head (Phi-3: over its rotated fraction)."""
-        dim = _head_dim(config)
+        dim = head_dim(config)
         if config.model_type == "phi3":
             dim = int(dim * params.get("partial_rotary_factor", 1.0))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -151,22 +148,22 @@ class _Embedding(nn.Embedding):
 class _Attention(nn.Module):
     def __init__(self, config: Any, family: Any, index: int) -> None:
         super().__init__()
-        hidden, head_dim = config.hidden_size, _head_dim(config)
-        q_size, kv_size = config.num_attention_heads * head_dim, (config.num_key_value_heads or config.num_attention_heads) * head_dim
+        hidden, dim = config.hidden_size, head_dim(config)
+        q_size, kv_size = config.num_attention_heads * dim, (config.num_key_value_heads or config.num_attention_heads) * dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size, "qkv_proj": q_size + 2 * kv_size}
         qkv_bias, o_bias = _attention_biases(config)
         for name in family.qkv:
             setattr(self, name, _Linear(hidden, sizes[name], qkv_bias))
         self.o_proj = _Linear(q_size, hidden, o_bias)
         if family.qk_norm:
-            self.q_norm, self.k_norm = _Norm(head_dim, config.rms_norm_eps), _Norm(head_dim, config.rms_norm_eps)
+            self.q_norm, self.k_norm = _Norm(dim, config.rms_norm_eps), _Norm(dim, config.rms_norm_eps)
         kind = config.model_type
         if kind in ("gemma2", "gemma3_text"):
             self.scaling = config.query_pre_attn_scalar**-0.5
         elif kind == "granite":
             self.scaling = config.attention_multiplier
         else:
-            self.scaling = head_dim**-0.5
+            self.scaling = dim**-0.5
         if kind in WINDOW_PER_LAYER:
             sliding = config.layer_types[index] == "sliding_attention" and (kind != "smollm3" or config.use_sliding_window)
             self.sliding_window = config.sliding_window if sliding else None

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Family", "FAMILIES", "Architecture", "LayerSpec", "describe", "ACTIVATIONS", "GGUF_PROJECTIONS"]
+__all__ = ["Family", "FAMILIES", "Architecture", "LayerSpec", "describe", "head_dim", "ACTIVATIONS", "GGUF_PROJECTIONS"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,12 @@ class Architecture:
         return f"the compiled layers do not compute {' or '.join(missing)} ({self.model_type})" if missing else None
 
 
+def head_dim(config: Any) -> int:
+    """A (text) configuration's attention head size: its ``head_dim`` where it names one (Qwen3's,
+    Gemma's), else hidden size / query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def describe(model: Any) -> Architecture:
     """``model``'s block as an ``Architecture``; ``NotImplementedError`` naming what agentspec's own
     passes do not compute (the generic pass still runs it)."""
@@ -161,7 +167,7 @@ def describe(model: Any) -> Architecture:
         residual_scale, logits_divisor = float(config.residual_multiplier), float(config.logits_scaling)
     return Architecture(
         model_type=model_type, family=family, heads=heads, kv_heads=kv_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, intermediate=config.intermediate_size,
+        head_dim=head_dim(config), intermediate=config.intermediate_size,
         activation=activation, layers=tuple(specs), embed_scale=embed_scale, residual_scale=residual_scale,
         attention_softcap=getattr(config, "attn_logit_softcapping", None), final_softcap=getattr(config, "final_logit_softcapping", None),
         logits_divisor=logits_divisor, biases=tuple(sorted(biases)),
