@@ -41,6 +41,7 @@ TEXTS = [
     "日本語のテキスト émoji 🎉 — naïve café",
     "<|im_start|>user\nhi<|im_end|>\n",
     '```json\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n```  12345678 東京',
+    "  hello  world <s>the</s> and",
 ]
 
 
@@ -314,14 +315,39 @@ def test_a_longrope_checkpoint_decodes_across_its_original_context_speculatively
     assert drafted_matching_plain(engine, read, [prompt], max_tokens=10) > 0
 
 
-@pytest.mark.parametrize("vocabulary", ["default", *VOCABULARIES])
-def test_the_tokenizer_from_the_metadata_is_transformers(vocabulary):
+def sentencepiece_vocabulary(folder: Path, architecture: str) -> Path:
+    """A vocabulary-only GGUF file of llama.cpp's sentencepiece kind (``tokenizer.ggml.model`` "llama":
+    control and byte tokens, pieces with scores and no merges) for ``architecture``, whose builder
+    transformers picks by it (Gemma's, Phi-3's, Llama's)."""
+    path = folder / f"ggml-vocab-spm-{architecture}.gguf"
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = ["\u2581", *letters, *("\u2581" + c for c in letters), "th", "he", "\u2581th", "\u2581the", "in", "\u2581in", "er", "an",
+              "\u2581an", "\u2581and", "ll", "\u2581he", "\u2581hell", "\u2581hello", "or", "\u2581wor", "\u2581world", "ld", "\u00e4", "\u00e9", "\u65e5", "\u672c"]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces])
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))  # unknown, control, byte, normal
+    writer.add_bos_token_id(1), writer.add_eos_token_id(2), writer.add_unk_token_id(0), writer.add_add_space_prefix(True)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+SENTENCEPIECE = ("spm-llama", "spm-gemma2", "spm-phi3")
+
+
+@pytest.mark.parametrize("vocabulary", ["default", *VOCABULARIES, *SENTENCEPIECE])
+def test_the_tokenizer_from_the_metadata_is_transformers(vocabulary, tmp_path):
     """The tokenizer built from ``tokenizer.ggml.*`` encodes, decodes and renders the chat template as
-    ``AutoTokenizer`` over the file does (in a twentieth of the time for SmolLM2's 49,152 tokens,
-    a sixth for Qwen2's 151,936): the default model's, and Qwen2's and Llama 3's real vocabularies."""
+    ``AutoTokenizer`` over the file does: the default model's, Qwen2's and Llama 3's real
+    vocabularies, and small sentencepiece ones under the three builders transformers picks for them
+    by architecture (the special tokens, the vocabulary's size, BOS as the file says, each the same)."""
     from transformers import AutoTokenizer
 
-    path = default_model_path() if vocabulary == "default" else Path(real_vocab(vocabulary))
+    if vocabulary in SENTENCEPIECE:
+        path = sentencepiece_vocabulary(tmp_path, vocabulary.removeprefix("spm-"))
+    else:
+        path = default_model_path() if vocabulary == "default" else Path(real_vocab(vocabulary))
     ours = model_tokenizer(read_gguf(path))
     theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in TEXTS:
