@@ -23,6 +23,28 @@ from .params import GenerationParams
 __all__ = ["LogitsPipeline"]
 
 
+# top-p looks for the nucleus among this many most likely tokens first, then eight times as many, up
+# to the whole vocabulary (sorting all 49,152 of SmolLM2's took ~3.5 ms a position; the top 256 ~0.1)
+NUCLEUS_FIRST = 256
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[P, V] logits → [P, V] bool: the tokens top-p keeps. In order of probability, a token is
+    dropped once the mass before it reaches ``top_p`` (the top token always stays): the kept tokens
+    are a prefix of that order, found among the ``k`` most likely once the mass before the k-th
+    reaches ``top_p`` (every later token's is larger), k growing until it does or is the vocabulary."""
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[-1]
+    k = min(NUCLEUS_FIRST, vocab)
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)  # descending
+        before = top.cumsum(dim=-1) - top  # the mass before each
+        if k == vocab or bool((before[:, -1] >= top_p).all()):
+            break
+        k = min(vocab, k * 8)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+
+
 class LogitsPipeline:
     """One request's logits processing. ``observe`` committed tokens; call on each verify pass."""
 
@@ -64,11 +86,7 @@ class LogitsPipeline:
             kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # drop a token once the mass before it already reaches top_p (the top token always stays)
-            drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
-            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+            logits = logits.masked_fill(~_nucleus(logits, p.top_p), float("-inf"))
         if p.min_p > 0.0:
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))

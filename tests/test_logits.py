@@ -168,6 +168,37 @@ def test_probs_match_reference(temperature, top_k, top_p, min_p, penalty):
         assert bool((got[torch.arange(len(rows)), best] > 0).all())
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999, 0.9999999])
+@pytest.mark.parametrize("spread", [0.2, 1.0, 4.0, 30.0])
+def test_top_p_on_a_wide_vocabulary_keeps_what_sorting_all_keeps(top_p, spread):
+    """On a vocabulary of SmolLM2's size the nucleus is looked for among the most likely tokens first
+    (``NUCLEUS_FIRST``, then eight times as many, up to all): it keeps as many tokens as sorting the
+    whole row does, the most likely ones — nuclei of one token, of hundreds, of thousands (flat rows),
+    of all, rows masked by a grammar, rows of one pass needing different widths — with the float64
+    reference's probabilities."""
+    from agentspec.logits import NUCLEUS_FIRST
+
+    vocab = 49_152
+    gen = torch.Generator().manual_seed(int(spread * 10) + int(top_p * 1000))
+    logits = torch.randn(4, vocab, generator=gen) * spread
+    logits[1, : vocab // 2] = float("-inf")  # a grammar allows half the vocabulary
+    logits[2] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat: the nucleus is most of the row
+    logits[3, 7] = 40.0  # one token far above the rest
+    params = GenerationParams(temperature=1.0, top_p=top_p)
+    got = LogitsPipeline(params, vocab, CPU).probs(logits, [0, 0, 0])
+    kept, probs = got > 0, logits.softmax(dim=-1)
+    # as many as the whole row sorted keeps (a token is dropped once the mass before it reaches
+    # top_p), and the most likely ones: which of equally likely tokens at the edge is either's choice
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    widths = (sorted_probs.cumsum(dim=-1) - sorted_probs < top_p).sum(dim=-1)
+    assert torch.equal(kept.sum(dim=-1), widths)
+    assert bool((probs.masked_fill(~kept, 2.0).amin(dim=-1) >= probs.masked_fill(kept, -1.0).amax(dim=-1)).all())
+    if top_p >= 0.999:  # the flat row's nucleus is far wider than the first look
+        assert widths[2] > 8 * NUCLEUS_FIRST
+    want = kept.double() * logits.double().softmax(dim=-1)
+    assert torch.allclose(got.double(), want / want.sum(dim=-1, keepdim=True), atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("top_k", "top_p", "min_p", "survivors"),
     [
