@@ -5,7 +5,8 @@ The requests are the kinds agentspec is built for, chosen so that each answer en
 answer quoting a retrieved document (greedy, one paragraph: the ``stop`` string ends it where the
 small default model would start repeating itself), a tool call streamed as it is written (sampled
 with a seed: the same seed gives the same tokens plainly), and a structured extraction into a
-pydantic model. Each request runs, after an untimed one-token warm-up that builds its grammar, twice speculatively
+pydantic model. Once the pass shapes start-up left for idle time are measured (a timed run would wait on
+them), each request runs, after an untimed one-token warm-up that builds its grammar, twice speculatively
 (the first streamed) and twice plainly with the same parameters, each with the caches cleared so no
 run replays another; the speedup is the ratio of the faster wall time of each on this machine, and
 the identity line compares the token ids of all four.
