@@ -32,17 +32,22 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """[P, V] logits → [P, V] bool: the tokens top-p keeps. In order of probability, a token is
     dropped once the mass before it reaches ``top_p`` (the top token always stays): the kept tokens
     are a prefix of that order, found among the ``k`` most likely once the mass before the k-th
-    reaches ``top_p`` (every later token's is larger), k growing until it does or is the vocabulary."""
+    reaches ``top_p`` (every later token's is larger), k growing until it does or is the vocabulary.
+    Each row alone: which of equally likely tokens at the edge a search keeps depends on its k, so a
+    row's must not depend on the other rows of its pass (a verification's rows against plain decoding's one)."""
     probs = logits.softmax(dim=-1)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
     vocab = probs.shape[-1]
-    k = min(NUCLEUS_FIRST, vocab)
-    while True:
-        top, order = torch.topk(probs, k, dim=-1)  # descending
-        before = top.cumsum(dim=-1) - top  # the mass before each
-        if k == vocab or bool((before[:, -1] >= top_p).all()):
-            break
-        k = min(vocab, k * 8)
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+    for row, kept in zip(probs, keep):
+        k = min(NUCLEUS_FIRST, vocab)
+        while True:
+            top, order = torch.topk(row, k)  # descending
+            before = top.cumsum(dim=0) - top  # the mass before each
+            if k == vocab or bool(before[-1] >= top_p):
+                break
+            k = min(vocab, k * 8)
+        kept[order] = before < top_p
+    return keep
 
 
 class LogitsPipeline:

@@ -199,6 +199,22 @@ def test_top_p_on_a_wide_vocabulary_keeps_what_sorting_all_keeps(top_p, spread):
     assert torch.allclose(got.double(), want / want.sum(dim=-1, keepdim=True), atol=1e-6)
 
 
+def test_top_p_keeps_a_rows_nucleus_whatever_rows_share_its_pass():
+    """A row whose nucleus ends inside a run of equally likely tokens keeps the same ones alone (a plain
+    step) and beside a row whose nucleus is far wider (a verification): which of the tied tokens is
+    kept depends on how far the search looked, so each row's search is its own."""
+    vocab = 49_152
+    tied = torch.zeros(vocab)
+    tied[1000:1200] = 8.0  # 200 equally likely tokens; top-p 0.5 keeps about half of them
+    flat = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 0.01  # a nucleus of ~24,000
+    params = GenerationParams(temperature=1.0, top_p=0.5)
+    alone = LogitsPipeline(params, vocab, CPU).probs(tied[None], [])[0]
+    beside = LogitsPipeline(params, vocab, CPU).probs(torch.stack([tied, flat]), [0])
+    assert 0 < int((alone > 0).sum()) < 200
+    assert torch.equal(alone, beside[0])
+    assert torch.equal(beside[1], LogitsPipeline(params, vocab, CPU).probs(flat[None], [])[0])
+
+
 @pytest.mark.parametrize(
     ("top_k", "top_p", "min_p", "survivors"),
     [
