@@ -43,6 +43,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from ..params import GenerationParams
+from ..passes.arch import head_dim
 from .base import Draft
 from .model import DraftChooser
 
@@ -103,7 +104,7 @@ class HeadConfig:
             hidden_size=config.hidden_size,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=head_dim(config),
             intermediate_size=intermediate_size or config.intermediate_size // 2,
             draft_vocab=draft_vocab,
             rms_eps=getattr(config, "rms_norm_eps", 1e-5),
