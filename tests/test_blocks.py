@@ -446,8 +446,8 @@ def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, 
     layout they choose, on every level's lanes: random codes (read once: the first run is laid out in
     the layout of its type's whole range as it is read); codes that fit fewer bits and scales that are
     float16 values in the first runs and not in a later one (the build starts in the type's layout, again
-    in the narrower one, then again in the wider one); llama.cpp's interleaved rotary halves undone; and
-    a product whose parts are two types."""
+    in the narrower one, then again in the wider one, no run read only for its statistics); llama.cpp's
+    interleaved rotary halves undone; and a product whose parts are two types."""
     import gguf
 
     from agentspec.gguf import read_gguf
@@ -489,8 +489,14 @@ def test_the_kernels_lay_out_a_files_blocks_as_the_blocks_lay_out(levels, kind, 
     if kind in ("Q8_0", "Q4_K", "Q5_K"):  # the third run needed a wider layout than the first two: the build started again
         first_runs = tensor_blocks(kind, narrow[:128]).integer_layout()
         assert first_runs != by_lanes_of_runs([FileBlocks(file.tensors["narrow"])], kernels.lanes, kernels)[1]
-    # codes over their type's whole range: the first run too is laid out as it is read, no statistics pass
+    # every run is laid out as it is read, no statistics pass: the first in its type's layout, or after
+    # a restart in the one the runs read so far want
     statistics_passes = []
     monkeypatch.setattr(FileRun, "code_statistics", lambda run: statistics_passes.append(run) or pytest.fail("a statistics pass"))
-    assert torch.equal(by_lanes_of_runs([FileBlocks(file.tensors["random"])], kernels.lanes, kernels)[0], by_lanes_of_runs([FileBlocks(file.tensors["random"])], kernels.lanes)[0])
+    for parts in cases:
+        try:
+            expected = by_lanes_of_runs(parts, kernels.lanes)[0]
+        except NotImplementedError:
+            continue
+        assert torch.equal(by_lanes_of_runs(parts, kernels.lanes, kernels)[0], expected)
     assert not statistics_passes

@@ -553,16 +553,16 @@ def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[t
     kind, statistics, factors = parts[0].kind, None, True
     if kernels is not None and not all(isinstance(part, FileBlocks) and part.tensor.type_name in GGML_NUMBERS for part in parts):
         kernels = None
-    # From the file, the first run too is laid out as it is read, in the layout of its type's whole
-    # range (its statistics found on the way); where they want another, it is built again in that one
-    guess = _full_range_layout(parts) if kernels is not None else None
+    # From the file, the first run too is laid out as it is read: in the layout of its type's whole
+    # range, or after a restart the one the statistics found so far want
+    full_range = _full_range_layout(parts) if kernels is not None else None
     while True:
         layout: IntegerLayout | None = None
 
         def layout_of(run: Blocks | FileRun, into: torch.Tensor | None = None) -> torch.Tensor:
-            nonlocal layout, statistics, factors, guess
-            laid_out, writing = None, layout or guess
-            if writing is not None and isinstance(run, FileRun):  # in the layout so far (or guessed), the statistics found on the way
+            nonlocal layout, statistics, factors
+            laid_out, writing = None, layout or (full_range if statistics is None else integer_layout_of(kind, factors, *statistics))
+            if writing is not None and isinstance(run, FileRun):  # in that layout, the statistics found on the way
                 laid_out, found = run.by_lanes_and_statistics(lanes, writing, into)
             else:
                 found = run.code_statistics()
@@ -572,7 +572,6 @@ def by_lanes_of_runs(parts: Sequence[Part], lanes: int, kernels=None) -> tuple[t
             if isinstance(wanted, str):
                 raise NotImplementedError(wanted)
             if writing is not None and wanted != writing:
-                guess = None
                 raise _Relayout
             layout = wanted
             return laid_out if laid_out is not None else run.by_lanes(lanes, wanted)
