@@ -19,7 +19,8 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
 - All torch work of a client runs on this one thread, model loading and calibration included
   (``call``). With libgomp, every thread that runs a parallel torch op keeps its own OpenMP team,
   and once a process has more OpenMP threads than cores, every team stops spin-waiting, which slows
-  every parallel op of every pass.
+  torch's parallel ops. The GGUF kernels' passes share their work among threads of their own
+  (blocks.c: ``run_threads``), which keep spin-waiting whatever other threads the process has.
 """
 
 from __future__ import annotations

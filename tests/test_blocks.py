@@ -10,8 +10,11 @@ import dataclasses
 import re
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -153,11 +156,41 @@ def test_block_products_are_row_and_thread_invariant(loaded, gguf_blocks, kind, 
         assert torch.equal(product(x[70 - rows :]), everything[70 - rows :]), rows
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(product(x), everything)
+        for count in (1, threads + 1, threads):  # more threads than cores; then fewer than the workers made
+            torch.set_num_threads(count)
+            assert torch.equal(product(x), everything), count
     finally:
         torch.set_num_threads(threads)
     assert product(x[:0]).shape == (0, outputs)
+
+
+@pytest.mark.parametrize("activations", ["float32", "q16"])
+def test_the_kernels_threads_serve_concurrent_callers_and_a_forked_child(activations):
+    """A pass's threads are the kernels' own (blocks.c: run_threads): products called from four
+    threads at once (one holds the workers, the others run on their own thread) and in a child
+    forked after the workers ran (it makes its own) give the bits of one call alone."""
+    blocks = _random_blocks("Q4_K" if activations == "q16" else "Q4_1", 1536, 576, seed=7)
+    product = block_product(blocks, activations=activations)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))
+    expected = product(x)
+    with ThreadPoolExecutor(4) as callers:
+        results = list(callers.map(lambda _: [product(x) for _ in range(25)], range(4)))
+    assert all(torch.equal(result, expected) for batch in results for result in batch)
+    child = os.fork()
+    if child == 0:  # the child: its exit status says whether its products agreed
+        same = False
+        try:
+            same = all(torch.equal(product(x), expected) for _ in range(3))
+        finally:
+            os._exit(0 if same else 1)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("a forked child's product did not return in 120 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 # Bytes per 256 weights of an output, per GGUF type the samples stand for: the file's (GGUF_TYPES),

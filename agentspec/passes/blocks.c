@@ -37,15 +37,16 @@
 #endif
 #endif
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else /* built without OpenMP (Apple's clang): the same code on one thread, the pragmas ignored */
-static inline int omp_get_thread_num(void) { return 0; }
-#endif
+/* OpenMP (-fopenmp) shares the laying out of a file's blocks among threads; built without it (Apple's
+   clang), its pragmas are ignored and that runs on one thread. A pass's threads are the kernels' own
+   (run_threads). */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "blocks.h"
 #if AGENTSPEC_AMX && defined(__linux__)
@@ -534,6 +535,126 @@ static void *take(size_t bytes) {
     case 7: EACH(__VA_ARGS__, 7) break;                                                            \
     default: EACH(__VA_ARGS__, 8) break;                                                           \
     }
+/* ==== Threads of a pass ===========================================================================
+   The products and attention of a pass share their work among `threads` threads of the kernels' own:
+   the caller and up to POOL_MAX - 1 workers, made on first use and kept. After a job a worker spins
+   for the next one for up to SPIN_NS (the gaps between a pass's products are microseconds), then
+   sleeps until woken. OpenMP's teams did this before, but libgomp spins only while the threads of
+   every team in the process fit the CPUs: one parallel torch operation on any other thread (the
+   application's, or a benchmark's) made it sleep and wake at each of a pass's ~170 joins, 1.5x
+   slower on 2 cores (docs/kernels.md). A job shares n items statically (`share`: a thread's items
+   depend only on n and the thread count, as OpenMP's schedule(static)); every (row, output) is
+   computed by one thread in a fixed order, so the bits do not depend on the threads either. A call
+   made while another thread's job holds the pool runs on its caller alone. */
+
+#define POOL_MAX 256
+#define SPIN_NS 300000 /* 0.3 ms */
+typedef void (*job_fn)(void *job, int ith, int nth);
+
+static struct {
+    atomic_flag busy;                /* a caller's job holds the workers */
+    atomic_uint generation;          /* counts jobs: a worker runs each one it sees */
+    atomic_int pending;              /* workers that have not yet seen the current job through */
+    atomic_int sleepers;             /* workers waiting on `wake` */
+    job_fn fn;                       /* the current job, its argument, its thread count */
+    void *job;
+    int nth, workers;                /* workers made so far */
+    unsigned made_at[POOL_MAX];      /* the generation when each worker was made */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+} pool = {ATOMIC_FLAG_INIT, 0, 0, 0, NULL, NULL, 1, 0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+/* Items [lo, hi) of n for thread ith of nth: contiguous, sizes differing by at most one. */
+INLINE void share(long n, int ith, int nth, long *lo, long *hi) {
+    const long base = n / nth, extra = n % nth;
+    *lo = ith * base + (ith < extra ? ith : extra);
+    *hi = *lo + base + (ith < extra);
+}
+
+INLINE void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void *pool_worker(void *arg) {
+    const int ith = (int)(intptr_t)arg;
+    unsigned seen = pool.made_at[ith]; /* the generation before the job it was made for */
+    for (;;) {
+        unsigned now = atomic_load(&pool.generation);
+        const long long until = now_ns() + SPIN_NS;
+        for (int spins = 0; now == seen; now = atomic_load(&pool.generation)) {
+            if (++spins % 64) {
+                cpu_relax();
+                continue;
+            }
+            if (now_ns() < until) continue;
+            pthread_mutex_lock(&pool.lock); /* idle: sleep (a caller that counts sleepers after its new generation wakes us) */
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = now;
+        if (ith < pool.nth) pool.fn(pool.job, ith, pool.nth);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release); /* every worker, so none reads the next job's fields early */
+    }
+    return NULL;
+}
+
+/* A child forked while a job ran has no workers and a pool as the parent's threads left it. */
+static void pool_after_fork(void) {
+    atomic_flag_clear(&pool.busy);
+    atomic_store(&pool.pending, 0), atomic_store(&pool.sleepers, 0);
+    pool.workers = 0;
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+static void pool_once(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* fn(job, ith, nth) on nth = `threads` threads at most (fewer where no more workers could be made),
+   the caller's ith 0; returns when every thread's share is done. */
+static void run_threads(int threads, job_fn fn, void *job) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (threads > POOL_MAX) threads = POOL_MAX;
+    if (threads <= 1 || atomic_flag_test_and_set(&pool.busy)) {
+        fn(job, 0, 1);
+        return;
+    }
+    pthread_once(&once, pool_once);
+    while (pool.workers < threads - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.made_at[pool.workers + 1] = atomic_load(&pool.generation); /* (only this caller moves it) */
+        const int made = pthread_create(&thread, &attr, pool_worker, (void *)(intptr_t)(pool.workers + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!made) break;
+        pool.workers++;
+    }
+    const int nth = threads < pool.workers + 1 ? threads : pool.workers + 1;
+    pool.fn = fn, pool.job = job, pool.nth = nth;
+    atomic_store(&pool.pending, pool.workers);
+    atomic_fetch_add(&pool.generation, 1); /* publishes the job (sequentially consistent, as the sleepers' count below) */
+    if (atomic_load(&pool.sleepers)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    fn(job, 0, nth);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire)) cpu_relax();
+    atomic_flag_clear(&pool.busy);
+}
+
 #define AHEAD 4 /* blocks prefetched ahead by products of 1-2 rows (bound by bytes, not arithmetic) */
 
 /* ==== Products on float32 rows (weights="gguf") ===================================================
@@ -631,14 +752,36 @@ INLINE void q8_1_tile(const float *x, const int rows, int K, const uint8_t *few,
     )
 }
 
-/* Rows in chunks of MR; a chunk's outputs in tiles split over `threads` (static: a thread's share
-   depends only on N and the chunk). */
+/* Rows in chunks of MR; a chunk's outputs in tiles shared among the threads (run_threads). */
+typedef struct {
+    const float *x;
+    int K, N;
+    const uint8_t *few, *many;
+    float *y;
+} tile_job;
+
+/* TILE##_job_##ROWS: a thread's tiles of a chunk of ROWS rows */
+#define TILE_JOB(TILE, ROWS)                                                                       \
+    static void TILE##_job_##ROWS(void *job, int ith, int nth) {                                   \
+        const tile_job *j = job;                                                                   \
+        const int cols = tile_outputs(ROWS);                                                       \
+        long lo, hi;                                                                               \
+        share((j->N + cols - 1) / cols, ith, nth, &lo, &hi);                                       \
+        for (long tile = lo; tile < hi; tile++) {                                                  \
+            const int n = (int)tile * cols;                                                        \
+            TILE(j->x, ROWS, j->K, j->few, j->many, j->y, j->N, n, j->N - n < cols ? j->N - n : cols); \
+        }                                                                                          \
+    }
+#define TILE_JOBS(TILE) TILE_JOB(TILE, 1) TILE_JOB(TILE, 2) TILE_JOB(TILE, 3) TILE_JOB(TILE, 4) TILE_JOB(TILE, 5) TILE_JOB(TILE, 6) TILE_JOB(TILE, 7) TILE_JOB(TILE, 8)
+TILE_JOBS(q4_1_tile)
+TILE_JOBS(q8_0_tile)
+TILE_JOBS(q8_16_tile)
+TILE_JOBS(q8_1_tile)
+
 #define CHUNK(TILE, ROWS)                                                                          \
     {                                                                                              \
-        const int cols = tile_outputs(ROWS);                                                       \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-        for (int n = 0; n < N; n += cols)                                                          \
-            TILE(xr, ROWS, K, (const uint8_t *)few, (const uint8_t *)many, yr, N, n, N - n < cols ? N - n : cols); \
+        tile_job job = {xr, K, N, (const uint8_t *)few, (const uint8_t *)many, yr};               \
+        run_threads(threads, TILE##_job_##ROWS, &job);                                             \
     }
 
 #define PRODUCT(TILE)                                                                              \
@@ -877,8 +1020,8 @@ INLINE void amx_unpack(const int codes, const uint8_t *at, uint8_t *out) {
 #else
 #define USES_AMX(rows, halves) 0
 #define AMX_AHEAD 0
-#define amx_configure(rows)
-#define AMX_RELEASE()
+#define amx_configure(rows) ((void)(rows))
+#define AMX_RELEASE() ((void)0)
 #endif
 
 /* Block b of group g (`group` bytes a group, `chunk` a super-block of `per` blocks of `bytes` after
@@ -982,31 +1125,55 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
         if (r < rows) vf_store_first(y + (size_t)r * N + (size_t)g * LANES, acc[r], live);
 }
 
-#define INT_CHUNK(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                     \
+/* A product on integer rows, as run_threads shares it: the rows' blocks quantised, then each chunk
+   of ROWS8 rows' groups of outputs. */
+typedef struct {
+    const float *x;
+    int M, K, N, r0; /* r0: the chunk's first row */
+    const uint8_t *w;
+    float *y;
+    agentspec_q8_rows q;
+} int_job;
+
+#define QUANTISE_JOB(PLANES)                                                                       \
+    static void quantise_job_##PLANES(void *job, int ith, int nth) {                               \
+        int_job *j = job;                                                                          \
+        const int nb = j->K / 32;                                                                  \
+        long lo, hi;                                                                               \
+        share((long)j->M * nb, ith, nth, &lo, &hi);                                                \
+        for (long at = lo; at < hi; at++) quantise_row_block(j->x, j->K, PLANES, &j->q, (int)(at / nb), (int)(at % nb)); \
+    }
+QUANTISE_JOB(1)
+QUANTISE_JOB(2)
+
+#define INT_TILES(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                     \
     {                                                                                              \
         if (USES_AMX(ROWS, HALVES)) amx_configure((ROWS) * (PLANES));                              \
-        _Pragma("omp for schedule(static)")                                                        \
-        for (int g = 0; g < groups; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, K, (const uint8_t *)w, y + (size_t)r0 * N, N, g); \
+        for (long g = lo; g < hi; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, j->K, j->w, j->y + (size_t)j->r0 * j->N, j->N, (int)g); \
         if (USES_AMX(ROWS, HALVES)) AMX_RELEASE();                                                 \
     }
+#define INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES) int_job_##CODES##_##MINS##_##FACTORED##_##HALVES##_##PLANES
+/* a thread's groups of outputs of the chunk at j->r0 */
+#define INT_JOB(CODES, MINS, FACTORED, HALVES, PLANES)                                             \
+    static void INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES)(void *job, int ith, int nth) { \
+        const int_job *j = job;                                                                    \
+        const agentspec_q8_rows q = j->q;                                                          \
+        const int r0 = j->r0;                                                                      \
+        const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, q.M}; \
+        long lo, hi;                                                                               \
+        share((j->N + LANES - 1) / LANES, ith, nth, &lo, &hi);                                     \
+        BY_COUNT(j->M - r0, INT_TILES, CODES, MINS, FACTORED, HALVES, PLANES)                      \
+    }
+#define INT_JOBS(CODES, MINS, FACTORED, HALVES) INT_JOB(CODES, MINS, FACTORED, HALVES, 1) INT_JOB(CODES, MINS, FACTORED, HALVES, 2)
 
-/* One parallel region: the rows' blocks quantised into `rows` (taken by the caller: take_rows), then
-   each chunk of ROWS8 rows' tiles (a thread's share of either depends only on M, K and N). */
+/* The rows' blocks quantised into `rows` (taken by the caller: take_rows), then each chunk of ROWS8
+   rows' tiles (a thread's share of either depends only on M, K, N and the thread count). */
 #define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                         \
     {                                                                                              \
-        const int nb = K / 32, groups = (N + LANES - 1) / LANES;                                   \
-        const long n = (long)M * nb;                                                               \
-        agentspec_q8_rows q = *rows;                                                               \
-        q.M = M;                                                                                   \
-        _Pragma("omp parallel num_threads(threads)")                                               \
-        {                                                                                          \
-            _Pragma("omp for schedule(static)")                                                    \
-            for (long at = 0; at < n; at++) quantise_row_block(x, K, PLANES, &q, (int)(at / nb), (int)(at % nb)); \
-            for (int r0 = 0; r0 < M; r0 += ROWS8) {                                                \
-                const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, M}; \
-                BY_COUNT(M - r0, INT_CHUNK, CODES, MINS, FACTORED, HALVES, PLANES)                 \
-            }                                                                                      \
-        }                                                                                          \
+        int_job job = {x, M, K, N, 0, (const uint8_t *)w, y, *rows};                               \
+        job.q.M = M;                                                                               \
+        run_threads(threads, quantise_job_##PLANES, &job);                                         \
+        for (job.r0 = 0; job.r0 < M; job.r0 += ROWS8) run_threads(threads, INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES), &job); \
     }
 
 static void free_rows(agentspec_q8_rows *q) {
@@ -1039,6 +1206,7 @@ static int take_rows(agentspec_q8_rows *q, int M, int K, int planes) {
     EACH(CODES_5BIT, 1, 0, 0)  /* Q5_1 */                                                          \
     EACH(CODES_5BIT, 1, 1, 0)  /* Q5_K */                                                          \
     EACH(CODES_6BIT, 0, 1, 1)  /* Q6_K */
+INT_LAYOUTS(INT_JOBS)
 #define INT_CASE(CODES, MINS, FACTORED, HALVES)                                                    \
     case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 1): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 1) break; \
     case INT_LAYOUT(CODES, MINS, FACTORED, HALVES, 2): INT_PRODUCT(CODES, MINS, FACTORED, HALVES, 2) break;
@@ -1355,6 +1523,45 @@ static int layers_status(const float *hidden, int T, int H, int heads, int kv_he
     return AGENTSPEC_OK;
 }
 
+/* The attention of a layer, as run_threads shares it: a job per (run of tokens, key/value head). */
+typedef struct {
+    const agentspec_layer *w;
+    int l;
+    const agentspec_segment *segments;
+    const int *run_first, *run_segment;
+    int length, kv_heads, groups, head_dim, key_half, value_half;
+    const float *qkv;
+    int width;
+    float *scores;         /* a thread's room: `room` floats from scores + ith * room */
+    size_t room;
+    int score_stride;
+    float scaling;
+    float *attn;
+    int q_size, jobs;
+} attention_job;
+
+static void attention_share(void *argument, int ith, int nth) {
+    const attention_job *a = argument;
+    const int kv_heads = a->kv_heads, head_dim = a->head_dim, groups = a->groups;
+    long lo, hi;
+    share(a->jobs, ith, nth, &lo, &hi);
+    for (long job = lo; job < hi; job++) {
+        const int r = (int)job / kv_heads, kvh = (int)job % kv_heads, t0 = a->run_first[r];
+        const agentspec_segment *seg = a->segments + a->run_segment[r];
+        const int tokens = seg->stop - t0 < a->length ? seg->stop - t0 : a->length;
+        int seen[tokens];
+        for (int i = 0; i < tokens; i++) seen[i] = seg->past + (t0 + i - seg->start) + 1;
+        /* a window (runs of one token): the keys (values) before it left out */
+        const int first = a->w->window && seen[0] > a->w->window ? seen[0] - a->w->window : 0;
+        seen[0] -= first;
+        attend(a->key_half, a->value_half, a->qkv + (size_t)t0 * a->width + (size_t)kvh * groups * head_dim, a->width, groups, tokens, seen, head_dim,
+               (const char *)kv_head(seg, a->l, 0, kvh, kv_heads, head_dim, a->key_half) + (size_t)first * head_dim * (a->key_half ? 2 : 4),
+               (const char *)kv_head(seg, a->l, 1, kvh, kv_heads, head_dim, a->value_half) + (size_t)first * head_dim * (a->value_half ? 2 : 4),
+               a->scaling, a->w->softcap, a->scores + (size_t)ith * a->room, a->score_stride,
+               a->attn + (size_t)t0 * a->q_size + (size_t)kvh * groups * head_dim, a->q_size);
+    }
+}
+
 /* The decoder layers of a pass (arch.py's block; the embedding and the logits stay in Python): per
    layer RMSNorm, the q/k/v product (plus its bias), per-head q/k RMSNorm, the rotary embedding of the
    first `rotary_dim` elements of each head (cos, sin: [tables, T, rotary_dim], the layer's table),
@@ -1451,22 +1658,9 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
         int jobs = 0;
         for (int g = 0; g < nseg; g++)
             for (int t = segments[g].start; t < segments[g].stop; t += length) run_first[jobs] = t, run_segment[jobs++] = g;
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int job = 0; job < jobs * kv_heads; job++) {
-            const int r = job / kv_heads, kvh = job % kv_heads, t0 = run_first[r];
-            const agentspec_segment *seg = segments + run_segment[r];
-            const int tokens = seg->stop - t0 < length ? seg->stop - t0 : length;
-            int seen[tokens];
-            for (int i = 0; i < tokens; i++) seen[i] = seg->past + (t0 + i - seg->start) + 1;
-            /* a window (runs of one token): the keys (values) before it left out */
-            const int first = w->window && seen[0] > w->window ? seen[0] - w->window : 0;
-            seen[0] -= first;
-            attend(key_half, value_half, qkv + (size_t)t0 * width + (size_t)kvh * groups * head_dim, width, groups, tokens, seen, head_dim,
-                   (const char *)kv_head(seg, l, 0, kvh, kv_heads, head_dim, key_half) + (size_t)first * head_dim * (key_half ? 2 : 4),
-                   (const char *)kv_head(seg, l, 1, kvh, kv_heads, head_dim, value_half) + (size_t)first * head_dim * (value_half ? 2 : 4),
-                   scaling, w->softcap, scores + (size_t)omp_get_thread_num() * groups * run * (longest + 16), longest + 16,
-                   attn + (size_t)t0 * q_size + (size_t)kvh * groups * head_dim, q_size);
-        }
+        attention_job job = {w, l, segments, run_first, run_segment, length, kv_heads, groups, head_dim, key_half, value_half,
+                             qkv, width, scores, (size_t)groups * run * (longest + 16), longest + 16, scaling, attn, q_size, jobs * kv_heads};
+        run_threads(threads, attention_share, &job);
         blocks_product(&w->o, attn, T, q_size, delta, H, threads, part, &rows);
         if (w->post_attention) rms_norm(delta, T, H, w->post_attention, w->post_eps, delta);
         add_residual(hidden, delta, (size_t)T * H, residual_scale);

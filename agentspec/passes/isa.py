@@ -33,8 +33,8 @@ KERNEL_HEADER = Path(__file__).with_name("blocks.h")  # its interface: the struc
 PACKAGED = Path(__file__).with_name("kernels")  # the libraries the package's build compiled
 MANIFEST = "manifest.json"  # in PACKAGED: the source they were built from, and each library's digest
 FLAGS = ("-O3", "-ffp-contract=off")
-OPENMP = ("-fopenmp",)  # threads; a compiler without OpenMP builds the same kernels on one thread
-LIBRARY = ("-shared", "-fPIC")
+OPENMP = ("-fopenmp",)  # threads for laying out a file's blocks; a compiler without OpenMP lays them out on one thread
+LIBRARY = ("-shared", "-fPIC", "-pthread")  # a pass's threads are the kernels' own (blocks.c: run_threads)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ def _packaged(level: Level, variant: Variant) -> Path | str:
     except OSError as exc:
         return f"the package's {name} is unreadable ({exc})"
     if not manifest.get("openmp", True):
-        log.warning("the GGUF block kernels were built without OpenMP (%s): they run on one thread", manifest.get("compiler"))
+        log.warning("the GGUF block kernels were built without OpenMP (%s): they lay out a file's blocks on one thread", manifest.get("compiler"))
     return library
 
 
