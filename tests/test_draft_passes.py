@@ -186,5 +186,6 @@ def test_a_gguf_draft_holds_about_its_file(tmp_path):
     assert run["draft"] == "PassDraft" and run["tokens"] > 0, run
     grown, files = run["after"] - run["before"], 2 * path.stat().st_size
     assert grown < 1.25 * files + 300 * 2**20, (grown, files)
-    assert [p.name for p in tmp_path.iterdir()] == ["kernels"]
+    # at most kernels compiled here (none where the package's run on this CPU), nothing of the models
+    assert {p.name for p in tmp_path.iterdir()} <= {"kernels"}
     print(f"target and draft {files / 2**20:.0f} MiB: a load +{grown / 2**20:.0f} MiB")
