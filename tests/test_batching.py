@@ -112,8 +112,9 @@ def test_draft_lengths_shrink_to_zero_as_the_batch_saturates_the_device(engine):
 def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
     """``calibrate(idle=True)`` (a client's start-up) measures the plain step and the longest
     verification over a past of 64 tokens of zeros (``KVBlock.pad``: no prefill of it, which took an
-    8B model ~3 s; one token's pass warms up), and leaves the rest to ``calibrate_idle``: one pass a
-    call (a request that arrives waits for one at most), the cost of a further sequence first (8
+    8B model ~3 s; one token's pass warms up), one run each, and leaves the rest to
+    ``calibrate_idle``: one pass a call (a request that arrives waits for one at most), the two
+    shapes' other runs first (their cost the fastest), then the cost of a further sequence (8
     sequences of one token past, then one of 8 tokens, then 8 of one), then shapes not measured yet,
     until none or the budget is left."""
     engine = Engine(loaded, max_draft_tokens=5)
@@ -128,7 +129,7 @@ def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
     engine.calibrate(idle=True)
     shapes = range(1, engine.costs.max_positions + 1)
     assert [p for p in shapes if engine.costs.measured(p)] == [1, 6] and engine.calibrating
-    assert set(passes) == {1, 6}  # the warm-up, then the two shapes: nothing of the past's length
+    assert passes == [1, 1, 6]  # the warm-up, then the two shapes once: nothing of the past's length
     engine.costs.record(2, 5.0)  # a pass of 2 positions ran meanwhile: not measured again
     at_start, calls = len(passes), 0
     while engine.calibrating:
@@ -136,7 +137,7 @@ def test_calibration_left_for_idle_time_is_measured_one_pass_at_a_time(loaded):
         engine.calibrate_idle()
         assert len(passes) - before <= 1
         calls += 1
-    assert passes[at_start : at_start + 3] == [8, 8, 8] and 2 not in passes[at_start:]
+    assert passes[at_start : at_start + 7] == [1, 1, 6, 6, 8, 8, 8] and 2 not in passes[at_start:]
     assert calls > 3 and sum(engine.costs.measured(p) for p in shapes) > 3
 
 

@@ -187,10 +187,10 @@ class Engine:
         reuse: where an engine of this process already calibrated the same model, pass and shapes,
           start from its measurements instead (a second client on a loaded model starts without
           measuring again); the costs are tracked live from the first pass either way.
-        idle: measure only the first two shapes now, and the rest (the cost of a further sequence,
-          then the other shapes) within the budget one pass at a time while nothing else runs
-          (``calibrate_idle``: the client's worker thread calls it when no request is active or
-          queued), so that start-up does not wait for them.
+        idle: measure only the first two shapes now, one run each, and the rest (their other runs,
+          the cost of a further sequence, then the other shapes) within the budget one pass at a
+          time while nothing else runs (``calibrate_idle``: the client's worker thread calls it when
+          no request is active or queued), so that start-up does not wait for them.
         """
         key = (self.weights.name, tuple(self._calibrate_shapes), context, repeats)
         if reuse:
@@ -217,10 +217,11 @@ class Engine:
         for index, positions in enumerate(order):
             if index >= 2 and (idle or time.perf_counter() - started > self.CALIBRATION_BUDGET_S):
                 break  # the rest are measured as passes of those shapes run (CostModel.record)
-            self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], repeats))
-        if idle:  # the rest one pass at a time while idle: the cost of a further sequence first, then the shapes
+            self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], 1 if idle else repeats))
+        if idle:  # the rest one pass at a time while idle: the two shapes' other runs, the cost of a further sequence, the shapes
             skipped: set[int] = set()
-            jobs = [*self._segment_jobs(context, 1), *(self._shape_job(block, p, run, skipped) for p in order[2:] for run in range(repeats))]
+            again = [self._again_job(block, p) for p in order[:2] for _ in range(repeats - 1)]
+            jobs = [*again, *self._segment_jobs(context, 1), *(self._shape_job(block, p, run, skipped) for p in order[2:] for run in range(repeats))]
             self._idle_calibration = _IdleCalibration(jobs, key)
         else:
             for job in self._segment_jobs(context, repeats):
@@ -264,6 +265,18 @@ class Engine:
                 skipped.add(positions)
                 return False
             self.costs.record(positions, self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
+            return True
+
+        return job
+
+    def _again_job(self, block: KVBlock, positions: int) -> Callable[[], bool]:
+        """Another run of a shape start-up measured once (its cost is the fastest run); nothing (False)
+        where it takes ``LONG_PASS_MS`` or more (measured once, as ``_fastest`` does)."""
+
+        def job() -> bool:
+            if self.costs.cost(positions) >= self.LONG_PASS_MS:
+                return False
+            self.costs.record(positions, fastest_pass_ms(self.forward, [PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
             return True
 
         return job
