@@ -27,6 +27,7 @@ from agentspec.passes.blocks import BlockPass
 from agentspec.passes.layouts import ACTIVATIONS, GGUF_TYPES, INTEGER_OFFSETS, SUPER, Blocks, IntegerLayout, tensor_blocks
 from agentspec.passes.levels import ISA_VARIABLE, KERNEL_SOURCE, KERNELS_VARIABLE, LEVEL_NAMES, LEVELS, block_kernels, isa_levels, kernel_flags
 from agentspec.passes.products import GGUFBlocks, block_product, blocks_unsupported
+from agentspec.passes.threads import controls_openmp, kernel_scope, kernel_threads
 from agentspec.passes.fused import FusedPass
 from agentspec.engine.kv import KVBlock, KVLayout
 from agentspec.passes.packed import PackedRow, check_packed, use_packed_attention
@@ -191,6 +192,27 @@ def test_the_kernels_threads_serve_concurrent_callers_and_a_forked_child(activat
         os.waitpid(child, 0)
         pytest.fail("a forked child's product did not return in 120 s")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_kernel_scope_runs_torch_on_its_thread_alone_and_the_kernels_on_the_threads_it_had():
+    """passes.threads.kernel_scope (an engine's steps on a GGUF pass): within it, torch's thread
+    count for the calling thread is 1 (its operations wake no OpenMP team to spin on the kernels'
+    cores), the kernels' is the count it had, another thread's is untouched, a nested scope is the
+    outer one; on leaving, the count is back; a product within gives the bits of one outside."""
+    assert "OpenMP" not in torch.__config__.parallel_info() or controls_openmp()  # torch's wheels for Linux: libgomp
+    before = torch.get_num_threads()
+    product = block_product(_random_blocks("Q4_K", 512, 576, seed=3), activations="q16")
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(4))
+    expected = product(x)
+    with kernel_scope():
+        assert kernel_threads() == before and torch.get_num_threads() == (1 if controls_openmp() else before)
+        with ThreadPoolExecutor(1) as other:
+            assert other.submit(torch.get_num_threads).result() == before
+        with kernel_scope():
+            assert kernel_threads() == before
+        assert torch.get_num_threads() == (1 if controls_openmp() else before)
+        assert torch.equal(product(x), expected)
+    assert torch.get_num_threads() == before and kernel_threads() == before
 
 
 # Bytes per 256 weights of an output, per GGUF type the samples stand for: the file's (GGUF_TYPES),

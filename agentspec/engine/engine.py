@@ -29,8 +29,10 @@ between a verification and a plain step). A sequence's first steps are its prefi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import threading
 import time
@@ -46,6 +48,7 @@ from ..gguf.modules import weights_on_meta
 from ..model import LoadedModel
 from ..params import GenerationParams
 from ..passes.packed import PackedRow, check_packed, use_packed_attention
+from ..passes.threads import kernel_scope
 from ..passes.weights import GGUF_ACTIVATIONS, fastest_pass_ms, pass_layout, select_weights
 from .kv import KVBlock, KVLayout
 from .lengths import CostModel, RowBudget, choose_lengths
@@ -128,6 +131,18 @@ class _IdleCalibration:
     spent: float = 0.0  # seconds measured so far
 
 
+
+def _on_pass_threads(method: Callable) -> Callable:
+    """``method`` within the engine's thread scope (``Engine._threads``): where the pass runs on the
+    kernels' own threads, torch's operations of the step run on the calling thread alone."""
+
+    @functools.wraps(method)
+    def scoped(self: "Engine", *args, **kwargs):
+        with self._threads():
+            return method(self, *args, **kwargs)
+
+    return scoped
+
 class Engine:
     """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step_many``."""
 
@@ -163,6 +178,8 @@ class Engine:
         except NotImplementedError as exc:
             raise ModelLoadError(f"weights={weights!r} cannot run here: {exc}. Use weights='auto' or 'eager'.") from exc
         self.forward = self.weights.forward
+        # a pass on the kernels' own threads: this thread's torch operations on it alone (passes/threads.py)
+        self._threads = kernel_scope if self.weights.isa is not None else contextlib.nullcontext
         self.layout = pass_layout(self.layout, self.forward)  # the keys and values as the pass stores them
         self.costs = CostModel(max_positions=max(max_draft_tokens + 1, *self.CALIBRATION_SHAPES))
         self._calibrate_shapes = [*range(1, max_draft_tokens + 2), *self.CALIBRATION_SHAPES]
@@ -177,6 +194,7 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    @_on_pass_threads
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 3, *, reuse: bool = False, idle: bool = False) -> None:
         """Check the packed attention against the model's own (where the pass asks for it:
@@ -292,6 +310,7 @@ class Engine:
         """Whether ``calibrate(idle=True)`` left shapes to measure (``calibrate_idle``)."""
         return self._idle_calibration is not None
 
+    @_on_pass_threads
     @torch.inference_mode()
     def calibrate_idle(self) -> None:
         """One pass of what ``calibrate(idle=True)`` left, while nothing else runs (a request arriving
@@ -387,6 +406,7 @@ class Engine:
             raise result
         return result
 
+    @_on_pass_threads
     @torch.inference_mode()
     def step_many(self, seqs: list[Sequence]) -> list[StepOutput | Exception]:
         """One step of every sequence in one target pass: what each committed, or what failed it.

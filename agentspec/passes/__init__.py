@@ -9,6 +9,7 @@
 - ``layouts.py``  a GGUF matrix's blocks and the kernels' layouts of them, built in runs of rows
 - ``products.py`` products on the blocks, and which of a model's weights have them
 - ``blocks.py``   ``BlockPass``: the decoder layers in one compiled call
+- ``threads.py``  the kernels' thread count, and torch's operations between their calls on the calling thread
 - ``weights.py``  which pass runs: by rule on a GGUF file with kernels, else by measurement
 
 The engine (``agentspec.engine``) runs one of them; the keys and values they write are its

@@ -30,6 +30,7 @@ from .arch import describe
 from .fused import FusedPass
 from .layouts import BLOCK_TYPES, GGUF_TYPES, INTEGER_ACTIVATIONS
 from .levels import INTEGER_KIND, BlocksArg, LayerArg, SegmentArg, address
+from .threads import kernel_threads
 from .packed import Segment
 from .products import BlockProduct, GGUFBlocks, StackedProduct
 
@@ -161,7 +162,7 @@ class BlockPass(FusedPass):
             address(hidden, tokens * self.hidden, FLOAT32, "the hidden states"), tokens, self.hidden, self.heads, self.kv_heads, self.head_dim,
             self.intermediate, len(self.layers), self.layer_args, address(cos, angles, FLOAT32, "the rotary cosines"),
             address(sin, angles, FLOAT32, "the rotary sines"), rotary_dim, self.scaling, self.residual_scale,
-            args, len(segments), key_dtype == torch.float16, value_dtype == torch.float16, torch.get_num_threads(),
+            args, len(segments), key_dtype == torch.float16, value_dtype == torch.float16, kernel_threads(),
         )
         return hidden
 

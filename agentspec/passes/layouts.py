@@ -21,6 +21,7 @@ import torch
 
 from ..gguf import GGML_TYPES, GGUFTensor
 from .levels import address
+from .threads import kernel_threads
 
 __all__ = [
     "BLOCK", "GROUPS", "BLOCK_TYPES", "GGUF_TYPES", "ACTIVATIONS", "INTEGER_ACTIVATIONS", "INTEGER_CODES", "INTEGER_OFFSETS", "SUPER",
@@ -431,7 +432,7 @@ class FileRun:
         """As ``Blocks.code_statistics`` (Q4_1's codes compared unpacked: ``integer_layout_of`` does
         not look at them)."""
         stats = (ctypes.c_int * 3)()
-        if self.kernels.agentspec_gguf_statistics(*self._rows(), self.outputs, self.inputs, torch.get_num_threads(), stats):
+        if self.kernels.agentspec_gguf_statistics(*self._rows(), self.outputs, self.inputs, kernel_threads(), stats):
             raise ValueError("the kernels' repacker does not read these blocks")
         return bool(stats[0]), stats[1], stats[2]
 
@@ -460,7 +461,7 @@ class FileRun:
         codes = INTEGER_CODES.index(layout.codes)
         if self.kernels.agentspec_gguf_by_lanes(
             *self._rows(), self.outputs, self.inputs, codes, layout.mins, layout.factored, layout.halves,
-            torch.get_num_threads(), address(out, groups * size, (torch.uint8,), "a run's layout"), stats,
+            kernel_threads(), address(out, groups * size, (torch.uint8,), "a run's layout"), stats,
         ):
             raise ValueError("the kernels' repacker does not read these blocks")
         for part, start, stop in self.pieces:

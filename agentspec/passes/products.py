@@ -29,6 +29,7 @@ from .layouts import (
     tensor_blocks, unpermuted,
 )
 from .levels import PRODUCT_SYMBOLS, address, block_kernels, kernels_or_reason
+from .threads import kernel_threads
 
 __all__ = ["GGUFBlocks", "read_blocks", "BlockProduct", "StackedProduct", "block_product", "blocks_unsupported"]
 
@@ -246,7 +247,7 @@ class BlockProduct:
         count = rows.shape[0]
         out = torch.empty(count, outputs)
         x_at, y_at = address(rows, count * inputs, (torch.float32,), "the product's rows"), address(out, count * outputs, (torch.float32,), "its outputs")
-        self.function(x_at, count, inputs, *self.blocks(), y_at, outputs, torch.get_num_threads())
+        self.function(x_at, count, inputs, *self.blocks(), y_at, outputs, kernel_threads())
         return out.reshape(*x.shape[:-1], outputs)
 
 
