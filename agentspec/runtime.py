@@ -20,7 +20,9 @@ Threading contract (anyio's ``to_thread`` semantics, made explicit):
   (``call``). With libgomp, every thread that runs a parallel torch op keeps its own OpenMP team,
   and once a process has more OpenMP threads than cores, every team stops spin-waiting, which slows
   torch's parallel ops. The GGUF kernels' passes share their work among threads of their own
-  (blocks.c: ``run_threads``), which keep spin-waiting whatever other threads the process has.
+  (blocks.c: ``run_threads``), which keep spin-waiting whatever other threads the process has;
+  an engine's steps on them run torch's operations on this thread alone (``passes/threads.py``),
+  so that torch's team does not spin on the cores the kernels' threads need.
 """
 
 from __future__ import annotations
