@@ -131,7 +131,6 @@ class _IdleCalibration:
     spent: float = 0.0  # seconds measured so far
 
 
-
 def _on_pass_threads(method: Callable) -> Callable:
     """``method`` within the engine's thread scope (``Engine._threads``): where the pass runs on the
     kernels' own threads, torch's operations of the step run on the calling thread alone."""
@@ -142,6 +141,7 @@ def _on_pass_threads(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return scoped
+
 
 class Engine:
     """Decodes sequences of one model. Not thread-safe: one worker thread calls ``start``/``step_many``."""
