@@ -36,6 +36,22 @@ OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so", "libiomp5.so")
 _local = threading.local()
 
 
+def _loaded_runtimes() -> list[str]:
+    """The OpenMP runtimes this process has mapped, by path (a wheel may carry one under a name of its
+    own, e.g. ``libgomp-a34b3233.so.1``), then by their usual names."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")) and path not in paths:
+                    paths.append(path)
+    except OSError:  # no /proc (macOS): the usual names only
+        pass
+    return [*paths, *OPENMP_RUNTIMES]
+
+
 def _openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime torch already loaded (none is loaded here), or None."""
     if "OpenMP" not in torch.__config__.parallel_info():
@@ -43,7 +59,7 @@ def _openmp_runtime() -> ctypes.CDLL | None:
     no_load = getattr(os, "RTLD_NOLOAD", None)
     if no_load is None:
         return None
-    for name in OPENMP_RUNTIMES:
+    for name in _loaded_runtimes():
         try:
             runtime = ctypes.CDLL(name, mode=no_load | os.RTLD_LAZY)
         except OSError:
