@@ -5,9 +5,8 @@ The kernels share a pass's products and attention among threads of their own (``
 ``run_threads``). torch's operations around them (the kept rows' index, the final norm, a
 verification's softmax over the vocabulary) run on torch's OpenMP team once they pass a few
 thousand elements, and the team's threads then spin-wait for milliseconds (libgomp's
-``GOMP_SPINCOUNT``) on the cores the kernels' threads need. On 2 cores a pass of 6 positions of the
-default model took 12.0 ms that way, 8.5 ms with torch's operations on the calling thread alone (a
-pass of 5 took 6.8 and 7.1: its index stays below torch's threshold).
+``GOMP_SPINCOUNT``) on the cores the kernels' threads need: on 2 cores a verification cost up to
+1.4 times what it does with torch's operations on the calling thread alone (docs/kernels.md).
 
 ``kernel_scope`` does that for the calling thread: its OpenMP thread count (a per-thread setting,
 which torch's ``get_num_threads`` reads) is 1 within the scope, and the kernels take the count it
