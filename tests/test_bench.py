@@ -268,3 +268,7 @@ def test_the_pass_report_counts_the_weights_a_token_reads(engine):
     first, times, streamed = report.lines()
     assert first == "pass gguf-q16 on avx2 kernels: by rule" and "(2.00x)" in times
     assert "128 MiB: 1 position streams them at 33.6 GB/s, 84% of what this machine reads 40.0 GB/s" in streamed
+    assert "estimate" not in times
+    # a shape the engine did not measure (a pass of LONG_PASS_MS or more: an 8B model's 8 positions) says so
+    estimated = PassReport("gguf-q16", "by rule", "avx2", {1: 150.0, 8: 1200.0}, 2**32, 4e10, 2, estimated=(8,)).lines()[1]
+    assert estimated == "pass of 1 position 150.00 ms, of 8 positions 1200.00 ms (not measured: the engine's estimate) (8.00x)"

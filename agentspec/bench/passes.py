@@ -52,13 +52,15 @@ class PassReport:
     weight_bytes: int | None
     read_bytes_per_s: float
     threads: int
+    estimated: tuple[int, ...] = ()  # shapes of ``ms`` the engine has not measured (a pass of LONG_PASS_MS or more is not calibrated)
 
     def lines(self) -> list[str]:
         kernels = f" on {self.isa} kernels" if self.isa else ""
         one, eight = (self.ms[p] for p in POSITIONS)
+        shown = [f"{self.ms[p]:.2f} ms" + (" (not measured: the engine's estimate)" if p in self.estimated else "") for p in POSITIONS]
         lines = [
             f"pass {self.name}{kernels}: {self.reason}",
-            f"pass of 1 position {one:.2f} ms, of 8 positions {eight:.2f} ms ({eight / one:.2f}x)",
+            f"pass of 1 position {shown[0]}, of 8 positions {shown[1]} ({eight / one:.2f}x)",
         ]
         read = f"this machine reads {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum of 512 MiB, {self.threads} threads, best of {READ_REPEATS})"
         if self.weight_bytes is None:
@@ -88,5 +90,5 @@ def pass_report(client: Any) -> PassReport:
     weights = engine.weights
     return PassReport(
         weights.name, weights.reason, weights.isa, {p: engine.costs.cost(p) for p in POSITIONS}, weight_bytes(engine.forward),
-        read_bandwidth(), torch.get_num_threads(),
+        read_bandwidth(), torch.get_num_threads(), tuple(p for p in POSITIONS if not engine.costs.measured(p)),
     )
