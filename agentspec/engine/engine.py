@@ -238,7 +238,8 @@ class Engine:
             self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], 1 if idle else repeats))
         if idle:  # the rest one pass at a time while idle: the two shapes' other runs, the cost of a further sequence, the shapes
             skipped: set[int] = set()
-            again = [self._again_job(block, p) for p in order[:2] for _ in range(repeats - 1)]
+            # (a later run of a shape never skips; one of LONG_PASS_MS or more is measured once, as _fastest does)
+            again = [self._shape_job(block, p, run, skipped) for p in order[:2] if self.costs.cost(p) < self.LONG_PASS_MS for run in range(1, repeats)]
             jobs = [*again, *self._segment_jobs(context, 1), *(self._shape_job(block, p, run, skipped) for p in order[2:] for run in range(repeats))]
             self._idle_calibration = _IdleCalibration(jobs, key)
         else:
@@ -283,18 +284,6 @@ class Engine:
                 skipped.add(positions)
                 return False
             self.costs.record(positions, self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
-            return True
-
-        return job
-
-    def _again_job(self, block: KVBlock, positions: int) -> Callable[[], bool]:
-        """Another run of a shape start-up measured once (its cost is the fastest run); nothing (False)
-        where it takes ``LONG_PASS_MS`` or more (measured once, as ``_fastest`` does)."""
-
-        def job() -> bool:
-            if self.costs.cost(positions) >= self.LONG_PASS_MS:
-                return False
-            self.costs.record(positions, fastest_pass_ms(self.forward, [PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
             return True
 
         return job
