@@ -30,9 +30,9 @@ from .arch import describe
 from .fused import FusedPass
 from .layouts import BLOCK_TYPES, GGUF_TYPES, INTEGER_ACTIVATIONS
 from .levels import INTEGER_KIND, BlocksArg, LayerArg, SegmentArg, address
-from .threads import kernel_threads
 from .packed import Segment
 from .products import BlockProduct, GGUFBlocks, StackedProduct
+from .threads import kernel_threads
 
 __all__ = ["BlockPass", "KEY_BIAS_LIMIT"]
 
