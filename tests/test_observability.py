@@ -144,17 +144,31 @@ def corrupt_speculative_steps(target_tokens: torch.Tensor, draft_tokens: torch.T
     return torch.zeros_like(counts), torch.where(counts > 0, first ^ 1, first)
 
 
+def corrupt_speculative_rows(target_tokens: list[int], drafts: list[list[int]]) -> list[tuple[int, int]]:
+    """The same bug in ``verify_greedy_rows``' form (the greedy verifier an engine on a CPU runs)."""
+    verdicts, at = [], 0
+    for draft in drafts:
+        first = target_tokens[at]
+        verdicts.append((0, first ^ 1 if draft else first))
+        at += len(draft) + 1
+    return verdicts
+
+
 @pytest.mark.parametrize(
-    ("verifier", "broken", "sampling"),
-    [("verify_greedy", corrupt_speculative_steps, {}), ("verify_sampling", step_keyed_sampling, {"temperature": 1.0, "seed": 5})],
+    ("broken", "sampling"),
+    [
+        ({"verify_greedy": corrupt_speculative_steps, "verify_greedy_rows": corrupt_speculative_rows}, {}),
+        ({"verify_sampling": step_keyed_sampling}, {"temperature": 1.0, "seed": 5}),
+    ],
     ids=["greedy", "sampled"],
 )
-async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog, verifier, broken, sampling):
+async def test_shadow_sampling_detects_a_broken_verifier(client, monkeypatch, caplog, broken, sampling):
     await wait_idle(client)
     before = client.metrics()
     messages = [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red yellow blue."}]
     plain = await client.generate(messages, max_tokens=24, speculative=False, **sampling)
-    monkeypatch.setattr(engine_module, verifier, broken)
+    for verifier, replacement in broken.items():  # greedy: the device's verifier and the host's
+        monkeypatch.setattr(engine_module, verifier, replacement)
     with caplog.at_level(logging.ERROR, logger="agentspec.client"):
         stream = client.stream(messages, max_tokens=24, speculative=agentspec.SpecConfig(shadow_rate=1.0, adaptive=False), **sampling)
         async with stream:

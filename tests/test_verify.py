@@ -31,7 +31,7 @@ from functools import cache
 import pytest
 import torch
 
-from agentspec.engine.verify import NO_TOKEN, flatten, verify_greedy, verify_sampling
+from agentspec.engine.verify import NO_TOKEN, flatten, verify_greedy, verify_greedy_rows, verify_sampling
 from agentspec.sampling import MASK32, MULTIPLIERS, TOKEN_MULTIPLIER, UNIFORM_BITS, fresh_seed, position_keys, position_noise, reference_mix32, reference_noise, sample
 
 from .stats import chi2_sf_upper, chi_square
@@ -122,12 +122,20 @@ def test_greedy_table(target, draft, expected):
 
 
 def test_greedy_table_as_one_pass():
-    """The whole table flattened into one call: each row's verdict, as alone."""
+    """The whole table flattened into one call: each row's verdict, as alone; the host's loop (what
+    an engine on a CPU runs) gives the same."""
     target = torch.tensor([t for row, _, _ in GREEDY_TABLE for t in row])
     drafted = torch.tensor([t for _, d, _ in GREEDY_TABLE for t in (*d, NO_TOKEN)])
     counts = torch.tensor([len(d) for _, d, _ in GREEDY_TABLE])
     accepted, tokens = verify_greedy(target, drafted, counts)
     assert list(zip(accepted.tolist(), tokens.tolist())) == [e for _, _, e in GREEDY_TABLE]
+    assert verify_greedy_rows(target.tolist(), [d for _, d, _ in GREEDY_TABLE]) == [e for _, _, e in GREEDY_TABLE]
+
+
+@pytest.mark.parametrize("rows", [[1, 2], [1, 2, 3, 4]])
+def test_the_host_verifier_refuses_rows_the_drafts_do_not_lay_out(rows):
+    with pytest.raises(ValueError, match="lay out 3 rows"):
+        verify_greedy_rows(rows, [[1, 2]])
 
 
 def random_greedy_case(gen: torch.Generator):
@@ -154,6 +162,7 @@ def test_greedy_batch_equals_each_sequence_alone():
         assert accepted.shape == tokens.shape == (len(cases),)
         together = list(zip(accepted.tolist(), tokens.tolist()))
         assert together == [greedy_one(t, d) for t, d in cases] == [reference_greedy(t, d) for t, d in cases]
+        assert verify_greedy_rows(target.tolist(), [d.tolist() for _, d in cases]) == together
         seen.update((len(d) == 0, n == len(d)) for (n, _), (_, d) in zip(together, cases))
     assert seen == {(True, True), (False, True), (False, False)}
 

@@ -54,7 +54,7 @@ from .kv import KVBlock, KVLayout
 from .lengths import CostModel, RowBudget, choose_lengths
 from .prefix import PrefixCache
 from .sequence import GrammarDeadEnd, Sequence, SequenceState, StepOutput
-from .verify import flatten, verify_greedy, verify_sampling
+from .verify import flatten, verify_greedy, verify_greedy_rows, verify_sampling
 
 __all__ = ["Engine", "Kind", "Plan"]
 
@@ -502,7 +502,8 @@ class Engine:
     def _verify(self, plans: list[Plan], logits: list[torch.Tensor], results: list[StepOutput | Exception | None]) -> list[Verdict | None]:
         """6. Every decoding plan's verdict (None for a prefill chunk): its rows through its logits
         pipeline, then one vectorised call per decoding mode over the pass's flattened rows, read
-        back in one transfer. A plan whose pipeline fails gets its exception in ``results``."""
+        back in one transfer (on a CPU, greedy rows are read back and verified in a loop:
+        ``verify_greedy_rows``). A plan whose pipeline fails gets its exception in ``results``."""
         greedy: list[tuple[int, torch.Tensor]] = []  # (plan, [K+1] greedy tokens)
         sampled: list[tuple[int, torch.Tensor]] = []  # (plan, [K+1, V] distributions)
         for i, (plan, rows) in enumerate(zip(plans, logits)):
@@ -511,20 +512,27 @@ class Engine:
                     (greedy if plan.state.seq.params.greedy else sampled).append((i, plan.state.target(rows, plan.draft, plan.masks)))
                 except Exception as exc:
                     results[plan.index] = exc
-        verdicts = []
+        found: list[Verdict] = []  # the greedy plans' verdicts, then the sampled ones'
+        on_device = []  # ([S] accepted, [S] tokens) of each mode verified on the device
         if greedy:
-            verdicts.append(verify_greedy(torch.cat([t for _, t in greedy]), *flatten([plans[i].draft.tokens for i, _ in greedy], self.device)))
+            targets = torch.cat([t for _, t in greedy])
+            drafts = [plans[i].draft.tokens for i, _ in greedy]
+            if self.device.type == "cpu":  # a loop over the pass's few rows (verify_greedy_rows says why)
+                found += verify_greedy_rows(targets.tolist(), drafts)
+            else:
+                on_device.append(verify_greedy(targets, *flatten(drafts, self.device)))
         if sampled:
             chosen = [plans[i] for i, _ in sampled]
             drafted, counts = flatten([p.draft.tokens for p in chosen], self.device)
             keys = [key for p in chosen for key in p.state.noise_keys(len(p.draft.tokens) + 1)]  # seed, output position
             keys_tensor = torch.tensor(keys, dtype=torch.int32, device=self.device)
-            verdicts.append(verify_sampling(torch.cat([t for _, t in sampled]), drafted, keys_tensor, counts))
+            on_device.append(verify_sampling(torch.cat([t for _, t in sampled]), drafted, keys_tensor, counts))
+        if on_device:
+            accepted, tokens = torch.cat([torch.stack(v) for v in on_device], dim=1).tolist()  # the pass's one host read
+            found += zip(accepted, tokens)
         out: list[Verdict | None] = [None] * len(plans)
-        if verdicts:
-            accepted, tokens = torch.cat([torch.stack(v) for v in verdicts], dim=1).tolist()  # the pass's one host read
-            for (i, _), verdict in zip(greedy + sampled, zip(accepted, tokens)):
-                out[i] = verdict
+        for (i, _), verdict in zip(greedy + sampled, found):
+            out[i] = verdict
         return out
 
     def _commit(self, plan: Plan, verdict: Verdict | None, pass_ms: float) -> StepOutput:
