@@ -20,7 +20,7 @@ from agentspec.bench import (
     workload,
 )
 from agentspec.bench.llamacpp import LLAMACPP_SYSTEMS, unavailable
-from agentspec.bench.passes import PassReport, read_bandwidth, weight_bytes
+from agentspec.bench.passes import PassReport, pass_report, read_bandwidth, until_calibrated, weight_bytes
 from agentspec.bench.single import _agent_loop
 from agentspec.engine.lengths import CostModel
 from agentspec.passes.weights import REDUCED
@@ -268,7 +268,24 @@ def test_the_pass_report_counts_the_weights_a_token_reads(engine):
     first, times, streamed = report.lines()
     assert first == "pass gguf-q16 on avx2 kernels: by rule" and "(2.00x)" in times
     assert "128 MiB: 1 position streams them at 33.6 GB/s, 84% of what this machine reads 40.0 GB/s" in streamed
-    assert "estimate" not in times
-    # a shape the engine did not measure (a pass of LONG_PASS_MS or more: an 8B model's 8 positions) says so
-    estimated = PassReport("gguf-q16", "by rule", "avx2", {1: 150.0, 8: 1200.0}, 2**32, 4e10, 2, estimated=(8,)).lines()[1]
-    assert estimated == "pass of 1 position 150.00 ms, of 8 positions 1200.00 ms (not measured: the engine's estimate) (8.00x)"
+    assert times == "pass of 1 position 4.00 ms, of 8 positions 8.00 ms (2.00x)"
+    assert "passes and reading in turn, best of 5 each" in streamed
+
+
+async def test_the_pass_report_times_the_passes_and_the_reading_in_turn(client):
+    """``pass_report`` on the engine's thread: both pass shapes timed now (``Engine.time_pass``, which
+    leaves the engine's cost model as it was), the reading beside them."""
+    await until_calibrated(client)
+    engine = client.engine
+    before = {p: (engine.costs.measured(p), engine.costs.cost(p)) for p in (1, 8)}
+    report = await client.run_on_worker(lambda: pass_report(client))
+    assert set(report.ms) == {1, 8} and all(0 < ms < 10_000 for ms in report.ms.values()), report.ms
+    assert report.read_bytes_per_s > 1e8 and report.threads >= 1
+    assert len(report.lines()) == 3 and report.lines()[0].startswith(f"pass {engine.weights.name}")
+    assert {p: (engine.costs.measured(p), engine.costs.cost(p)) for p in (1, 8)} == before
+
+
+@pytest.mark.parametrize("arguments", [{"positions": 0}, {"positions": True}, {"positions": 1, "repeats": 0}, {"positions": 1, "context": 10**9}])
+def test_timing_a_pass_refuses_bad_shapes(engine, arguments):
+    with pytest.raises(ValueError):
+        engine.time_pass(**arguments)

@@ -17,8 +17,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-import anyio
-
 from ..client import Client
 from .llamacpp import LLAMACPP_SYSTEMS
 from .llamacpp import unavailable as llamacpp_unavailable
@@ -69,7 +67,7 @@ async def main(args: Any) -> int:
     async with Client(args.model, device=args.device, draft=args.draft, weights=args.weights) as client:
         print(f"model {_describe(client)}; workloads: {', '.join(w.name for w in selected)}", flush=True)
         await until_calibrated(client)
-        report = await anyio.to_thread.run_sync(pass_report, client)
+        report = await client.run_on_worker(lambda: pass_report(client))
         print("\n".join(report.lines()), flush=True)
         if args.base_url:
             return await _remote_main(client, args, selected)

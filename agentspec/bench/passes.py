@@ -1,6 +1,8 @@
 """The target pass in numbers, for ``agentspec bench``: which pass runs and why, what a pass of one
 position and of a verification's eight costs, and the bandwidth a one-position pass streams its
-weights at against what this machine reads (``read_bandwidth``)."""
+weights at against what this machine reads (``read_bandwidth``) — the passes and the reading timed
+in turn, so that the ratio compares what one machine did in the same seconds (a VM's bandwidth moved
+between 30 and 55 GB/s from one minute to the next on a 2-core Zen 4)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ __all__ = ["PassReport", "pass_report", "read_bandwidth", "weight_bytes", "until
 POSITIONS = (1, 8)  # a plain step, and a verification of 7 drafted tokens
 READ_BYTES = 2**29  # the buffer read_bandwidth sums (512 MiB): far larger than any cache
 READ_REPEATS = 5
+# After a reading, torch's OpenMP threads spin-wait for their next job (libgomp's GOMP_SPINCOUNT) on
+# the cores the kernels' threads need: a pass timed straight after one took 1.5x as long (passes/threads.py)
+READ_SETTLE_S = 0.05
 
 
 def weight_bytes(forward: Any) -> int | None:
@@ -31,16 +36,18 @@ def weight_bytes(forward: Any) -> int | None:
     return None if any(size is None for size in sizes) else sum(sizes)
 
 
+def _read_seconds(buffer: torch.Tensor) -> float:
+    """One reading of ``buffer`` (``torch.sum`` on torch's threads), in seconds."""
+    started = time.perf_counter()
+    buffer.sum()
+    return time.perf_counter() - started
+
+
 def read_bandwidth() -> float:
     """This machine's read bandwidth in bytes/s, as ``torch.sum`` of a 512 MiB float32 buffer reaches
     it on torch's threads (the passes' own), best of 5 after a first touch."""
     buffer = torch.ones(READ_BYTES // 4)
-    best = float("inf")
-    for _ in range(READ_REPEATS):
-        started = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - started)
-    return READ_BYTES / best
+    return READ_BYTES / min(_read_seconds(buffer) for _ in range(READ_REPEATS))
 
 
 @dataclass(frozen=True)
@@ -48,21 +55,22 @@ class PassReport:
     name: str
     reason: str
     isa: str | None
-    ms: dict[int, float]  # a pass's cost by positions (the engine's measurements: calibrated, then live)
+    ms: dict[int, float]  # a pass's cost by positions, best of READ_REPEATS (timed in turn with the reading)
     weight_bytes: int | None
     read_bytes_per_s: float
     threads: int
-    estimated: tuple[int, ...] = ()  # shapes of ``ms`` the engine has not measured (a pass of LONG_PASS_MS or more is not calibrated)
 
     def lines(self) -> list[str]:
         kernels = f" on {self.isa} kernels" if self.isa else ""
         one, eight = (self.ms[p] for p in POSITIONS)
-        shown = [f"{self.ms[p]:.2f} ms" + (" (not measured: the engine's estimate)" if p in self.estimated else "") for p in POSITIONS]
         lines = [
             f"pass {self.name}{kernels}: {self.reason}",
-            f"pass of 1 position {shown[0]}, of 8 positions {shown[1]} ({eight / one:.2f}x)",
+            f"pass of 1 position {one:.2f} ms, of 8 positions {eight:.2f} ms ({eight / one:.2f}x)",
         ]
-        read = f"this machine reads {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum of 512 MiB, {self.threads} threads, best of {READ_REPEATS})"
+        read = (
+            f"this machine reads {self.read_bytes_per_s / 1e9:.1f} GB/s (torch.sum of 512 MiB, {self.threads} threads; "
+            f"passes and reading in turn, best of {READ_REPEATS} each)"
+        )
         if self.weight_bytes is None:
             lines.append(f"weights a token: not all on the file's blocks, so not counted; {read}")
         else:
@@ -76,8 +84,7 @@ class PassReport:
 
 async def until_calibrated(client: Any, timeout_s: float = 120.0) -> None:
     """Wait until a local client's engine has measured the pass shapes its start-up left for idle
-    time (``Engine.calibrate(idle=True)``): what is timed after runs on a worker with nothing else to do,
-    and the pass costs reported are measured, not estimated."""
+    time (``Engine.calibrate(idle=True)``): what is timed after runs on a worker with nothing else to do."""
     engine = getattr(client, "engine", None)
     deadline = time.monotonic() + timeout_s
     while engine is not None and engine.calibrating and time.monotonic() < deadline:
@@ -85,10 +92,18 @@ async def until_calibrated(client: Any, timeout_s: float = 120.0) -> None:
 
 
 def pass_report(client: Any) -> PassReport:
-    """The report of ``client``'s target pass (a local client, started). Blocking: it reads 512 MiB five times."""
+    """The report of ``client``'s target pass (a local client, started). Blocking, on the engine's
+    thread between steps: ``await client.run_on_worker(lambda: pass_report(client))``. Each round
+    times a pass of each of ``POSITIONS`` (``Engine.time_pass``, over calibration's past) and one
+    reading of 512 MiB; the report keeps the fastest of ``READ_REPEATS`` rounds of each."""
     engine = client.engine
+    buffer = torch.ones(READ_BYTES // 4)  # (written: its pages are there before the first reading)
+    ms = {p: float("inf") for p in POSITIONS}
+    read_s = float("inf")
+    for _ in range(READ_REPEATS):
+        for p in POSITIONS:
+            ms[p] = min(ms[p], engine.time_pass(p))
+        read_s = min(read_s, _read_seconds(buffer))
+        time.sleep(READ_SETTLE_S)
     weights = engine.weights
-    return PassReport(
-        weights.name, weights.reason, weights.isa, {p: engine.costs.cost(p) for p in POSITIONS}, weight_bytes(engine.forward),
-        read_bandwidth(), torch.get_num_threads(), tuple(p for p in POSITIONS if not engine.costs.measured(p)),
-    )
+    return PassReport(weights.name, weights.reason, weights.isa, ms, weight_bytes(engine.forward), READ_BYTES / read_s, torch.get_num_threads())

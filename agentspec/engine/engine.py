@@ -328,6 +328,23 @@ class Engine:
         first = [1, longest, *(p for p in (2, 4, 8, 16, 32) if p < longest), *self.CALIBRATION_SHAPES]
         return list(dict.fromkeys([*first, *shapes]))
 
+    @_on_pass_threads
+    @torch.inference_mode()
+    def time_pass(self, positions: int, repeats: int = 1, context: int = 64) -> float:
+        """The fastest of ``repeats`` passes of ``positions`` tokens after a past of ``context``
+        (calibration's shape; one run where it takes ``LONG_PASS_MS`` or more), in ms, measured now
+        and not recorded in ``costs``: a figure to set beside another measurement taken in turn with
+        it (``agentspec bench``: the machine's read bandwidth). Call it on the engine's thread,
+        between steps (``Client.run_on_worker``)."""
+        for name, value in (("positions", positions), ("repeats", repeats), ("context", context)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, not {value!r}")
+        if context - 1 + positions > self.loaded.context_window:
+            raise ValueError(f"a pass of {positions} positions after {context - 1} does not fit the context window of {self.loaded.context_window}")
+        block = KVBlock(self.layout)
+        block.pad(context - 1)
+        return self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], repeats)
+
     def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
         """The fastest of ``repeats`` runs of one pass over ``rows`` (rolled back after each), in ms;
         one run where it takes ``LONG_PASS_MS`` or more (interference is a small part of it)."""
