@@ -1129,7 +1129,7 @@ INLINE void int_tile(const int codes, const int mins, const int factored, const 
    of ROWS8 rows' groups of outputs. */
 typedef struct {
     const float *x;
-    int M, K, N, r0; /* r0: the chunk's first row */
+    int M, K, N;
     const uint8_t *w;
     float *y;
     agentspec_q8_rows q;
@@ -1149,31 +1149,33 @@ QUANTISE_JOB(2)
 #define INT_TILES(CODES, MINS, FACTORED, HALVES, PLANES, ROWS)                                     \
     {                                                                                              \
         if (USES_AMX(ROWS, HALVES)) amx_configure((ROWS) * (PLANES));                              \
-        for (long g = lo; g < hi; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, j->K, j->w, j->y + (size_t)j->r0 * j->N, j->N, (int)g); \
+        for (long g = lo; g < hi; g++) int_tile(CODES, MINS, FACTORED, HALVES, PLANES, &part, ROWS, j->K, j->w, j->y + (size_t)r0 * j->N, j->N, (int)g); \
         if (USES_AMX(ROWS, HALVES)) AMX_RELEASE();                                                 \
     }
 #define INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES) int_job_##CODES##_##MINS##_##FACTORED##_##HALVES##_##PLANES
-/* a thread's groups of outputs of the chunk at j->r0 */
+/* A thread's groups of outputs, of each chunk of ROWS8 rows in turn: one job for the whole product
+   (a join a chunk cost a prefill of 200 tokens thousands of them, each waiting for the later thread) */
 #define INT_JOB(CODES, MINS, FACTORED, HALVES, PLANES)                                             \
     static void INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES)(void *job, int ith, int nth) { \
         const int_job *j = job;                                                                    \
         const agentspec_q8_rows q = j->q;                                                          \
-        const int r0 = j->r0;                                                                      \
-        const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, q.M}; \
         long lo, hi;                                                                               \
         share((j->N + LANES - 1) / LANES, ith, nth, &lo, &hi);                                     \
-        BY_COUNT(j->M - r0, INT_TILES, CODES, MINS, FACTORED, HALVES, PLANES)                      \
+        for (int r0 = 0; r0 < j->M; r0 += ROWS8) {                                                 \
+            const agentspec_q8_rows part = {q.codes + (size_t)r0 * ROW_BYTES(PLANES), q.scale + r0, q.scaled_sum + r0, q.sum + r0, q.half + r0, q.M}; \
+            BY_COUNT(j->M - r0, INT_TILES, CODES, MINS, FACTORED, HALVES, PLANES)                  \
+        }                                                                                          \
     }
 #define INT_JOBS(CODES, MINS, FACTORED, HALVES) INT_JOB(CODES, MINS, FACTORED, HALVES, 1) INT_JOB(CODES, MINS, FACTORED, HALVES, 2)
 
-/* The rows' blocks quantised into `rows` (taken by the caller: take_rows), then each chunk of ROWS8
-   rows' tiles (a thread's share of either depends only on M, K, N and the thread count). */
+/* The rows' blocks quantised into `rows` (taken by the caller: take_rows), then the tiles of each
+   chunk of ROWS8 rows (a thread's share of either depends only on M, K, N and the thread count). */
 #define INT_PRODUCT(CODES, MINS, FACTORED, HALVES, PLANES)                                         \
     {                                                                                              \
-        int_job job = {x, M, K, N, 0, (const uint8_t *)w, y, *rows};                               \
+        int_job job = {x, M, K, N, (const uint8_t *)w, y, *rows};                                  \
         job.q.M = M;                                                                               \
         run_threads(threads, quantise_job_##PLANES, &job);                                         \
-        for (job.r0 = 0; job.r0 < M; job.r0 += ROWS8) run_threads(threads, INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES), &job); \
+        run_threads(threads, INT_JOB_NAME(CODES, MINS, FACTORED, HALVES, PLANES), &job);           \
     }
 
 static void free_rows(agentspec_q8_rows *q) {
