@@ -1525,6 +1525,98 @@ static int layers_status(const float *hidden, int T, int H, int heads, int kv_he
     return AGENTSPEC_OK;
 }
 
+/* The steps of a layer between its products that work row by row (a token's row reads only itself,
+   its sequence's keys and values and the layer's weights), as run_threads shares them by rows: on the
+   caller alone for a few rows (a pass of a few positions: microseconds), else on every thread (a
+   prefill: 5% of its time was the caller's alone while the workers waited). The same operations on
+   each row either way, so the same bits. */
+enum { ROWS_NORM1, ROWS_QKV, ROWS_ATTENTION_OUT, ROWS_ACTIVATION, ROWS_MLP_OUT };
+#define SHARED_ROWS 16 /* rows from which these steps are shared among the threads */
+typedef struct {
+    const agentspec_layer *w;
+    int l, stage, T, H, heads, kv_heads, head_dim, intermediate, width, q_size, kv_size, rotary_dim, key_half, value_half;
+    float *hidden, *normed, *qkv, *up, *delta;
+    const float *cos, *sin;
+    float residual_scale;
+    const agentspec_segment *segments;
+    const int *token_segment; /* the sequence of each token of the pass */
+} rows_job;
+
+static void layer_rows(const rows_job *r, int t0, int t1) {
+    const agentspec_layer *w = r->w;
+    const int H = r->H, width = r->width, head_dim = r->head_dim, q_size = r->q_size, rotary_dim = r->rotary_dim, half = rotary_dim / 2;
+    const size_t rows = (size_t)(t1 - t0);
+    switch (r->stage) {
+    case ROWS_NORM1: rms_norm(r->hidden + (size_t)t0 * H, (int)rows, H, w->norm1, w->eps1, r->normed + (size_t)t0 * H); break;
+    case ROWS_QKV:
+        for (int t = t0; t < t1; t++) {
+            float *row = r->qkv + (size_t)t * width;
+            if (w->qkv_bias)
+                for (int i = 0; i < width; i++) row[i] += w->qkv_bias[i];
+            if (w->q_norm) { /* in place: each head's sum of squares is taken before it is written */
+                rms_norm(row, r->heads, head_dim, w->q_norm, w->qk_eps, row);
+                rms_norm(row + q_size, r->kv_heads, head_dim, w->k_norm, w->qk_eps, row + q_size);
+            }
+            /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin over the first rotary_dim elements */
+            if (w->rotary) {
+                const size_t table = (size_t)(w->rotary - 1) * r->T;
+                const float *c = r->cos + (table + t) * rotary_dim, *s = r->sin + (table + t) * rotary_dim;
+                for (int h = 0; h < r->heads + r->kv_heads; h++) {
+                    float *x = row + (size_t)h * head_dim;
+                    float rotated[rotary_dim];
+                    for (int i = 0; i < half; i++) {
+                        rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+                        rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+                    }
+                    memcpy(x, rotated, sizeof(float) * rotary_dim);
+                }
+            }
+            /* this token's keys and values into its sequence's block */
+            if (r->token_segment[t] < 0) continue;
+            const agentspec_segment *seg = r->segments + r->token_segment[t];
+            const size_t slot = (size_t)(seg->past + t - seg->start);
+            for (int h = 0; h < r->kv_heads; h++) {
+                store_kv(kv_head(seg, r->l, 0, h, r->kv_heads, head_dim, r->key_half), slot, row + q_size + (size_t)h * head_dim, head_dim, r->key_half);
+                store_kv(kv_head(seg, r->l, 1, h, r->kv_heads, head_dim, r->value_half), slot, row + q_size + r->kv_size + (size_t)h * head_dim, head_dim,
+                         r->value_half);
+            }
+        }
+        break;
+    case ROWS_ATTENTION_OUT:
+    case ROWS_MLP_OUT: {
+        const int attention = r->stage == ROWS_ATTENTION_OUT;
+        const float *post = attention ? w->post_attention : w->post_mlp;
+        float *delta = r->delta + (size_t)t0 * H, *hidden = r->hidden + (size_t)t0 * H;
+        if (post) rms_norm(delta, (int)rows, H, post, w->post_eps, delta);
+        add_residual(hidden, delta, rows * H, r->residual_scale);
+        if (attention) rms_norm(hidden, (int)rows, H, w->norm2, w->eps2, r->normed + (size_t)t0 * H);
+        break;
+    }
+    case ROWS_ACTIVATION:
+        for (int t = t0; t < t1; t++) {
+            const float *up = r->up + (size_t)t * 2 * r->intermediate;
+            (w->gelu ? gelu_times : silu_times)(up, up + r->intermediate, r->intermediate, r->normed + (size_t)t * r->intermediate);
+        }
+        break;
+    }
+}
+
+static void rows_share(void *argument, int ith, int nth) {
+    const rows_job *r = argument;
+    long lo, hi;
+    share(r->T, ith, nth, &lo, &hi);
+    layer_rows(r, (int)lo, (int)hi);
+}
+
+/* Step `stage` of the layer on every row of the pass */
+static void run_rows(rows_job *r, int stage, int threads) {
+    r->stage = stage;
+    if (r->T < SHARED_ROWS || threads <= 1)
+        layer_rows(r, 0, r->T);
+    else
+        run_threads(threads, rows_share, r);
+}
+
 /* The attention of a layer, as run_threads shares it: a job per (run of tokens, key/value head). */
 typedef struct {
     const agentspec_layer *w;
@@ -1577,7 +1669,7 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
     const int status = layers_status(hidden, T, H, heads, kv_heads, head_dim, intermediate, layers, weights, cos, sin, rotary_dim, segments, nseg, threads);
     if (status) return status;
     const int q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
-    const int groups = heads / kv_heads, half = rotary_dim / 2;
+    const int groups = heads / kv_heads;
     int longest = 0;
     for (int s = 0; s < nseg; s++)
         if (segments[s].past + segments[s].stop - segments[s].start > longest) longest = segments[s].past + segments[s].stop - segments[s].start;
@@ -1611,49 +1703,24 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
     }
     /* each run's first token and sequence: at most one run a token */
     int *run_first = take(times((size_t)T + 1, sizeof(int))), *run_segment = take(times((size_t)T + 1, sizeof(int)));
+    int *token_segment = take(times((size_t)T + 1, sizeof(int)));
     float *scores = take(times(times(times((size_t)workers, (size_t)groups), times((size_t)run, (size_t)longest + 16)), sizeof(float)));
-    if (!normed || !qkv || !attn || !up || !delta || !part || !have_rows || !run_first || !run_segment || !scores) {
-        free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
+    if (!normed || !qkv || !attn || !up || !delta || !part || !have_rows || !run_first || !run_segment || !token_segment || !scores) {
+        free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(token_segment),
+            free(scores);
         return AGENTSPEC_NO_MEMORY;
     }
+    for (int t = 0; t < T; t++) token_segment[t] = -1; /* (a token of no sequence has no keys and values to store) */
+    for (int g = 0; g < nseg; g++)
+        for (int t = segments[g].start; t < segments[g].stop; t++) token_segment[t] = g;
+    rows_job steps = {NULL, 0, 0, T, H, heads, kv_heads, head_dim, intermediate, width, q_size, kv_size, rotary_dim, key_half, value_half,
+                      hidden, normed, qkv, up, delta, cos, sin, residual_scale, segments, token_segment};
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;
-        rms_norm(hidden, T, H, w->norm1, w->eps1, normed);
+        steps.w = w, steps.l = l;
+        run_rows(&steps, ROWS_NORM1, threads);
         blocks_product(&w->qkv, normed, T, H, qkv, width, threads, part, &rows);
-        if (w->qkv_bias)
-            for (int t = 0; t < T; t++)
-                for (int i = 0; i < width; i++) qkv[(size_t)t * width + i] += w->qkv_bias[i];
-        if (w->q_norm) /* in place: each head's sum of squares is taken before it is written */
-            for (int t = 0; t < T; t++) {
-                rms_norm(qkv + (size_t)t * width, heads, head_dim, w->q_norm, w->qk_eps, qkv + (size_t)t * width);
-                rms_norm(qkv + (size_t)t * width + q_size, kv_heads, head_dim, w->k_norm, w->qk_eps, qkv + (size_t)t * width + q_size);
-            }
-        /* rotary embedding of queries and keys: x * cos + rotate_half(x) * sin over the first rotary_dim elements */
-        for (int t = 0; w->rotary && t < T; t++) {
-            const size_t table = (size_t)(w->rotary - 1) * T;
-            const float *c = cos + (table + t) * rotary_dim, *s = sin + (table + t) * rotary_dim;
-            for (int h = 0; h < heads + kv_heads; h++) {
-                float *x = qkv + (size_t)t * width + (size_t)h * head_dim;
-                float rotated[rotary_dim];
-                for (int i = 0; i < half; i++) {
-                    rotated[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-                    rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-                }
-                memcpy(x, rotated, sizeof(float) * rotary_dim);
-            }
-        }
-        /* this pass's keys and values into each sequence's block */
-        for (int g = 0; g < nseg; g++) {
-            const agentspec_segment *seg = segments + g;
-            for (int t = seg->start; t < seg->stop; t++)
-                for (int h = 0; h < kv_heads; h++) {
-                    const size_t slot = (size_t)(seg->past + t - seg->start);
-                    store_kv(kv_head(seg, l, 0, h, kv_heads, head_dim, key_half), slot, qkv + (size_t)t * width + q_size + (size_t)h * head_dim, head_dim,
-                             key_half);
-                    store_kv(kv_head(seg, l, 1, h, kv_heads, head_dim, value_half), slot, qkv + (size_t)t * width + q_size + kv_size + (size_t)h * head_dim,
-                             head_dim, value_half);
-                }
-        }
+        run_rows(&steps, ROWS_QKV, threads); /* bias, q/k norms, rotary embedding, the new keys and values into each sequence's block */
         /* causal attention: each token's query heads over its sequence's keys up to its own position,
            a job per (run of tokens, key/value head), all the pass's sequences in one parallel loop */
         const int length = w->window ? 1 : run;
@@ -1664,18 +1731,14 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
                              qkv, width, scores, (size_t)groups * run * (longest + 16), longest + 16, scaling, attn, q_size, jobs * kv_heads};
         run_threads(threads, attention_share, &job);
         blocks_product(&w->o, attn, T, q_size, delta, H, threads, part, &rows);
-        if (w->post_attention) rms_norm(delta, T, H, w->post_attention, w->post_eps, delta);
-        add_residual(hidden, delta, (size_t)T * H, residual_scale);
-        rms_norm(hidden, T, H, w->norm2, w->eps2, normed);
+        run_rows(&steps, ROWS_ATTENTION_OUT, threads); /* (post norm,) residual, RMSNorm */
         blocks_product(&w->gate_up, normed, T, H, up, 2 * intermediate, threads, part, &rows);
-        for (int t = 0; t < T; t++)
-            (w->gelu ? gelu_times : silu_times)(up + (size_t)t * 2 * intermediate, up + (size_t)t * 2 * intermediate + intermediate, intermediate,
-                                                normed + (size_t)t * intermediate);
+        run_rows(&steps, ROWS_ACTIVATION, threads);
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads, part, &rows);
-        if (w->post_mlp) rms_norm(delta, T, H, w->post_mlp, w->post_eps, delta);
-        add_residual(hidden, delta, (size_t)T * H, residual_scale);
+        run_rows(&steps, ROWS_MLP_OUT, threads); /* (post norm,) residual */
     }
-    free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
+    free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(token_segment),
+        free(scores);
     return AGENTSPEC_OK;
 }
 
