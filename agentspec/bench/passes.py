@@ -19,7 +19,7 @@ POSITIONS = (1, 8)  # a plain step, and a verification of 7 drafted tokens
 READ_BYTES = 2**29  # the buffer read_bandwidth sums (512 MiB): far larger than any cache
 READ_REPEATS = 5
 # After a reading, torch's OpenMP threads spin-wait for their next job (libgomp's GOMP_SPINCOUNT) on
-# the cores the kernels' threads need: a pass timed straight after one took 1.5x as long (passes/threads.py)
+# the cores the kernels' threads need: a pass timed straight after one took 1.4x as long (passes/threads.py)
 READ_SETTLE_S = 0.05
 
 
