@@ -1539,7 +1539,7 @@ typedef struct {
     const float *cos, *sin;
     float residual_scale;
     const agentspec_segment *segments;
-    const int *token_segment; /* the sequence of each token of the pass */
+    int nseg;
 } rows_job;
 
 static void layer_rows(const rows_job *r, int t0, int t1) {
@@ -1571,14 +1571,19 @@ static void layer_rows(const rows_job *r, int t0, int t1) {
                     memcpy(x, rotated, sizeof(float) * rotary_dim);
                 }
             }
-            /* this token's keys and values into its sequence's block */
-            if (r->token_segment[t] < 0) continue;
-            const agentspec_segment *seg = r->segments + r->token_segment[t];
-            const size_t slot = (size_t)(seg->past + t - seg->start);
-            for (int h = 0; h < r->kv_heads; h++) {
-                store_kv(kv_head(seg, r->l, 0, h, r->kv_heads, head_dim, r->key_half), slot, row + q_size + (size_t)h * head_dim, head_dim, r->key_half);
-                store_kv(kv_head(seg, r->l, 1, h, r->kv_heads, head_dim, r->value_half), slot, row + q_size + r->kv_size + (size_t)h * head_dim, head_dim,
-                         r->value_half);
+        }
+        /* these rows' keys and values into each sequence's block (its tokens among them) */
+        for (int g = 0; g < r->nseg; g++) {
+            const agentspec_segment *seg = r->segments + g;
+            const int first = seg->start > t0 ? seg->start : t0, last = seg->stop < t1 ? seg->stop : t1;
+            for (int t = first; t < last; t++) {
+                const float *row = r->qkv + (size_t)t * width;
+                const size_t slot = (size_t)(seg->past + t - seg->start);
+                for (int h = 0; h < r->kv_heads; h++) {
+                    store_kv(kv_head(seg, r->l, 0, h, r->kv_heads, head_dim, r->key_half), slot, row + q_size + (size_t)h * head_dim, head_dim, r->key_half);
+                    store_kv(kv_head(seg, r->l, 1, h, r->kv_heads, head_dim, r->value_half), slot, row + q_size + r->kv_size + (size_t)h * head_dim,
+                             head_dim, r->value_half);
+                }
             }
         }
         break;
@@ -1703,18 +1708,13 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
     }
     /* each run's first token and sequence: at most one run a token */
     int *run_first = take(times((size_t)T + 1, sizeof(int))), *run_segment = take(times((size_t)T + 1, sizeof(int)));
-    int *token_segment = take(times((size_t)T + 1, sizeof(int)));
     float *scores = take(times(times(times((size_t)workers, (size_t)groups), times((size_t)run, (size_t)longest + 16)), sizeof(float)));
-    if (!normed || !qkv || !attn || !up || !delta || !part || !have_rows || !run_first || !run_segment || !token_segment || !scores) {
-        free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(token_segment),
-            free(scores);
+    if (!normed || !qkv || !attn || !up || !delta || !part || !have_rows || !run_first || !run_segment || !scores) {
+        free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
         return AGENTSPEC_NO_MEMORY;
     }
-    for (int t = 0; t < T; t++) token_segment[t] = -1; /* (a token of no sequence has no keys and values to store) */
-    for (int g = 0; g < nseg; g++)
-        for (int t = segments[g].start; t < segments[g].stop; t++) token_segment[t] = g;
     rows_job steps = {NULL, 0, 0, T, H, heads, kv_heads, head_dim, intermediate, width, q_size, kv_size, rotary_dim, key_half, value_half,
-                      hidden, normed, qkv, up, delta, cos, sin, residual_scale, segments, token_segment};
+                      hidden, normed, qkv, up, delta, cos, sin, residual_scale, segments, nseg};
     for (int l = 0; l < layers; l++) {
         const agentspec_layer *w = weights + l;
         steps.w = w, steps.l = l;
@@ -1737,8 +1737,7 @@ int agentspec_layers(float *hidden, int T, int H, int heads, int kv_heads, int h
         blocks_product(&w->down, normed, T, intermediate, delta, H, threads, part, &rows);
         run_rows(&steps, ROWS_MLP_OUT, threads); /* (post norm,) residual */
     }
-    free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(token_segment),
-        free(scores);
+    free(normed), free(qkv), free(attn), free(up), free(delta), free(part), free_rows(&rows), free(run_first), free(run_segment), free(scores);
     return AGENTSPEC_OK;
 }
 
