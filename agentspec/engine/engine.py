@@ -235,7 +235,7 @@ class Engine:
         for index, positions in enumerate(order):
             if index >= 2 and (idle or time.perf_counter() - started > self.CALIBRATION_BUDGET_S):
                 break  # the rest are measured as passes of those shapes run (CostModel.record)
-            self.costs.record(positions, self._fastest([PackedRow(block, [token] * positions, positions)], 1 if idle else repeats))
+            self.costs.record(positions, self._shape_ms(block, positions, 1 if idle else repeats))
         if idle:  # the rest one pass at a time while idle: the two shapes' other runs, the cost of a further sequence, the shapes
             skipped: set[int] = set()
             # (a later run of a shape never skips; one of LONG_PASS_MS or more is measured once, as _fastest does)
@@ -263,7 +263,7 @@ class Engine:
             return True
 
         def one_sequence() -> bool:
-            one.append(self._fastest([PackedRow(blocks[0], [token] * segments, segments)], repeats))
+            one.append(self._shape_ms(blocks[0], segments, repeats))
             return True
 
         def many_sequences() -> bool:
@@ -283,7 +283,7 @@ class Engine:
             if positions in skipped or (run == 0 and (self.costs.measured(positions) or self.costs.cost(positions) >= self.LONG_PASS_MS)):
                 skipped.add(positions)
                 return False
-            self.costs.record(positions, self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], 1))
+            self.costs.record(positions, self._shape_ms(block, positions, 1))
             return True
 
         return job
@@ -343,6 +343,10 @@ class Engine:
             raise ValueError(f"a pass of {positions} positions after {context - 1} does not fit the context window of {self.loaded.context_window}")
         block = KVBlock(self.layout)
         block.pad(context - 1)
+        return self._shape_ms(block, positions, repeats)
+
+    def _shape_ms(self, block: KVBlock, positions: int, repeats: int) -> float:
+        """``_fastest`` of a pass of ``positions`` calibration tokens over ``block``, every one with logits."""
         return self._fastest([PackedRow(block, [self.CALIBRATION_TOKEN] * positions, positions)], repeats)
 
     def _fastest(self, rows: list[PackedRow], repeats: int) -> float:
